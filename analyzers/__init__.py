@@ -1,0 +1,1 @@
+"""Pure functions from store tables to result tables."""

@@ -1,0 +1,1 @@
+"""The Dash dashboard that renders analyzer results."""

@@ -1,0 +1,1 @@
+"""Adapters that turn what a server does into tokentrace events."""
