@@ -1,3 +1,86 @@
-"""tokentrace: token-level latency profiling for LLM inference serving."""
+"""tokentrace: token-level latency profiling for LLM inference serving.
+
+The public facade. Record::
+
+    handle = tokentrace.instrument(store="traces/", role="colocated")
+    rid = tokentrace.request_begin("req-1", tenant="acme")
+    with tokentrace.stage(rid, tokentrace.Stage.PREFILL_COMPUTE):
+        ...
+    tokentrace.request_end(rid)
+    handle.close()
+
+Read::
+
+    run = tokentrace.open("traces/")        # newest run
+    tokentrace.runs("traces/")              # every run
+
+The store and reader are imported lazily, inside :func:`open` and :func:`runs`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tokentrace.api import (
+    bind,
+    cache_event,
+    current,
+    request_begin,
+    request_end,
+    span,
+    stage,
+    step,
+    token_emitted,
+    token_sent,
+    unbind,
+)
+from tokentrace.clock import now_ns
+from tokentrace.recorder import Recorder
+from tokentrace.schema import CacheEventKind, RequestStatus, Role, Stage, Tier
+from tokentrace.session import Handle, instrument
+from tokentrace.sink import InMemorySink, Sink
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "Stage",
+    "Role",
+    "Tier",
+    "CacheEventKind",
+    "RequestStatus",
+    "Recorder",
+    "Sink",
+    "InMemorySink",
+    "Handle",
+    "instrument",
+    "open",
+    "runs",
+    "now_ns",
+    "bind",
+    "unbind",
+    "current",
+    "request_begin",
+    "request_end",
+    "span",
+    "stage",
+    "step",
+    "token_emitted",
+    "token_sent",
+    "cache_event",
+]
+
+
+def open(path: str | os.PathLike[str], run: str | None = None) -> Any:  # noqa: A001 - public name
+    """Open run ``run`` (default: the newest) of the store at ``path``; see ``tokentrace.store.open_run``."""
+    from tokentrace.store import open_run
+
+    return open_run(path, run)
+
+
+def runs(path: str | os.PathLike[str]) -> list[Any]:
+    """Every run of the store at ``path``, oldest first; see ``tokentrace.store.list_runs``."""
+    from tokentrace.store import list_runs
+
+    return list_runs(path)

@@ -400,7 +400,7 @@ REQUESTS = Table(
         _INSTANCE_ID,
         _str(col.TENANT, "Tenant the request belongs to (empty if unknown)."),
         _str(col.SLO_CLASS, "SLO class of the request, e.g. interactive or batch (empty if unknown)."),
-        _ns(col.ARRIVAL_NS, "When the request reached this instance (client: when it was sent)."),
+        _ns(col.ARRIVAL_NS, "When the request reached this instance (client: when it was sent); null if unknown.", nullable=True),
         _ns(col.FIRST_TOKEN_NS, "When this instance emitted/sent/received the first output token.", nullable=True),
         _ns(col.FINISH_NS, "When the request ended on this instance.", nullable=True),
         _count(col.NUM_PROMPT_TOKENS, "Prompt length in tokens.", nullable=True),

@@ -1,0 +1,181 @@
+"""The manual API: module-level functions that forward to the bound recorder.
+
+Instrumented code calls these without knowing whether tracing is on. Until
+:func:`bind` is called (``tokentrace.instrument`` does it) every function is a
+no-op costing one function call and one attribute check; after it, each
+forwards to the bound :class:`~tokentrace.recorder.Recorder` and inherits its
+contract: any thread, never blocks, never raises, times are
+``time.monotonic_ns()`` integers (``tokentrace.clock.now_ns``).
+
+The binding lives in one slotted holder object rather than in rebound module
+functions, so ``from tokentrace.api import span`` taken before ``bind`` still
+records afterwards.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from tokentrace.clock import now_ns
+from tokentrace.recorder import Recorder
+from tokentrace.schema import RequestStatus
+
+__all__ = [
+    "bind",
+    "unbind",
+    "current",
+    "request_begin",
+    "request_end",
+    "span",
+    "stage",
+    "token_emitted",
+    "token_sent",
+    "step",
+    "cache_event",
+]
+
+
+class _Binding:
+    __slots__ = ("recorder",)
+
+    def __init__(self) -> None:
+        self.recorder: Recorder | None = None
+
+
+_state = _Binding()
+
+
+def bind(recorder: Recorder) -> None:
+    """Send every manual-API call to ``recorder`` from now on (replaces any previous one)."""
+    if not isinstance(recorder, Recorder):
+        raise TypeError(f"bind() expects a tokentrace Recorder, got {type(recorder).__name__}")
+    _state.recorder = recorder
+
+
+def unbind() -> None:
+    """Make the manual API a no-op again (the recorder itself is not closed)."""
+    _state.recorder = None
+
+
+def current() -> Recorder | None:
+    """The bound recorder, or None."""
+    return _state.recorder
+
+
+def request_begin(key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int | None = None,
+                  num_prompt_tokens: int = -1, trace_id: str = "") -> int:
+    """Note a request's arrival (default: now); returns its ``request_id``.
+
+    Unbound, it returns ``-1`` without hashing the key: ids only matter
+    while tracing, and every other function ignores them then.
+    """
+    r = _state.recorder
+    if r is None:
+        return -1
+    return r.request_begin(key, tenant=tenant, slo_class=slo_class,
+                           arrival_ns=now_ns() if arrival_ns is None else arrival_ns,
+                           num_prompt_tokens=num_prompt_tokens, trace_id=trace_id)
+
+
+def request_end(request_id: int, *, finish_ns: int | None = None, status: int = RequestStatus.OK,
+                first_token_ns: int = -1, num_output_tokens: int = -1, num_cached_tokens: int = -1,
+                error: str = "") -> None:
+    """Write the request's row (``finish_ns`` default: now)."""
+    r = _state.recorder
+    if r is not None:
+        r.request_end(request_id, finish_ns=now_ns() if finish_ns is None else finish_ns,
+                      status=status, first_token_ns=first_token_ns,
+                      num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens,
+                      error=error)
+
+
+def span(request_id: int, stage: int, start_ns: int, end_ns: int, token_index: int = -1,
+         step: int = -1, num_bytes: int = -1, tier: int = -1, batch_size: int = -1) -> None:
+    """Record a complete stage interval ``[start_ns, end_ns)``."""
+    r = _state.recorder
+    if r is not None:
+        r.span(request_id, stage, start_ns, end_ns, token_index, step, num_bytes, tier, batch_size)
+
+
+def token_emitted(request_id: int, index: int, t_ns: int | None = None, step: int = -1) -> None:
+    """The engine produced output token ``index`` at ``t_ns`` (default: now)."""
+    r = _state.recorder
+    if r is not None:
+        r.token(request_id, index, emit_ns=now_ns() if t_ns is None else t_ns, step=step)
+
+
+def token_sent(request_id: int, index: int, t_ns: int | None = None) -> None:
+    """Output token ``index``'s delta was written to the client at ``t_ns`` (default: now)."""
+    r = _state.recorder
+    if r is not None:
+        r.token(request_id, index, sent_ns=now_ns() if t_ns is None else t_ns)
+
+
+def step(step: int, start_ns: int, end_ns: int, num_seqs: int, num_prefill_tokens: int,
+         num_decode_tokens: int, num_waiting: int, num_running: int, num_preempted: int,
+         blocks_used_device: int = -1, blocks_total_device: int = -1, blocks_used_host: int = -1,
+         blocks_total_host: int = -1, blocks_used_disk: int = -1, blocks_total_disk: int = -1) -> None:
+    """Record one engine iteration (see ``Recorder.step``)."""
+    r = _state.recorder
+    if r is not None:
+        r.step(step, start_ns, end_ns, num_seqs, num_prefill_tokens, num_decode_tokens,
+               num_waiting, num_running, num_preempted, blocks_used_device, blocks_total_device,
+               blocks_used_host, blocks_total_host, blocks_used_disk, blocks_total_disk)
+
+
+def cache_event(kind: int, tier: int, num_blocks: int, start_ns: int, end_ns: int,
+                request_id: int = -1, num_tokens: int = -1, num_bytes: int = -1,
+                step: int = -1) -> None:
+    """Record one KV cache event (see ``Recorder.cache_event``)."""
+    r = _state.recorder
+    if r is not None:
+        r.cache_event(kind, tier, num_blocks, start_ns, end_ns, request_id, num_tokens, num_bytes, step)
+
+
+class _StageTimer:
+    """Context manager recording ``[enter, exit)`` as one span on ``recorder``."""
+
+    __slots__ = ("_recorder", "_request_id", "_stage", "_token_index", "_start_ns")
+
+    def __init__(self, recorder: Recorder, request_id: int, stage: int, token_index: int) -> None:
+        self._recorder = recorder
+        self._request_id = request_id
+        self._stage = stage
+        self._token_index = token_index
+        self._start_ns = -1
+
+    def __enter__(self) -> _StageTimer:
+        self._start_ns = now_ns()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # Recorded even when the block raises: the time was spent in the stage.
+        self._recorder.span(self._request_id, self._stage, self._start_ns, now_ns(), self._token_index)
+
+
+class _NoStage:
+    """What :func:`stage` returns while unbound: enter and exit do nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoStage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_STAGE = _NoStage()
+
+
+def stage(request_id: int, stage: int, token_index: int = -1) -> _StageTimer | _NoStage:
+    """Context manager timing a block as one interval of ``stage`` (``now_ns`` at enter and exit).
+
+    The recorder bound when the block is entered receives the span, even if
+    the binding changes inside the block. Exceptions from the block propagate.
+    """
+    r = _state.recorder
+    if r is None:
+        return _NO_STAGE
+    return _StageTimer(r, request_id, stage, token_index)
