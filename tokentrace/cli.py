@@ -21,7 +21,7 @@ from rich.table import Table as RichTable
 
 from tokentrace.store import DROPPED, SAMPLED_OUT, Run, RunInfo, StoreError, TableInfo, list_runs, open_run
 
-__all__ = ["app", "main", "user_errors", "format_ns", "format_bytes"]
+__all__ = ["app", "main", "register_commands", "user_errors", "format_ns", "format_bytes"]
 
 EXIT_USAGE = 2  # bad input, as for command-line usage errors
 EXIT_FAILURE = 1  # the system failed us (I/O error)
@@ -210,8 +210,24 @@ def _instances_table(instances: list[dict[str, Any]]) -> RichTable:
     return out
 
 
+def register_commands(target: typer.Typer = app) -> None:
+    """Add the subcommands of every module in :mod:`tokentrace.commands` (idempotent)."""
+    import importlib
+    import pkgutil
+
+    import tokentrace.commands as commands
+
+    if getattr(target, "_tokentrace_registered", False):
+        return
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        module.register(target)
+    target._tokentrace_registered = True  # type: ignore[attr-defined]
+
+
 def main() -> None:
     """Console-script entry point (``tokentrace``)."""
+    register_commands()
     app()
 
 

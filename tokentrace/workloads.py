@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -31,6 +32,7 @@ __all__ = [
     "load_trace",
     "build_prompt",
     "default_traces_dir",
+    "best_prefix_hit_rate",
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -90,8 +92,6 @@ class Workload:
 
 def default_traces_dir() -> Path:
     """``../shared/data/traces`` beside the repository (or ``$TOKENTRACE_TRACES``)."""
-    import os
-
     env = os.environ.get("TOKENTRACE_TRACES")
     if env:
         return Path(env)
