@@ -1,0 +1,293 @@
+"""ASGI middleware: trace any OpenAI-compatible (streaming) Starlette/FastAPI server.
+
+``TokenTraceMiddleware(app)`` wraps the ASGI app; what it records for each
+traced HTTP request (all on this process's monotonic clock, ns, read by the
+middleware itself):
+
+* a ``requests`` row: key = the ``X-Request-Id`` request header (or a fresh
+  UUID when absent), tenant from a configurable header, trace id from a W3C
+  ``traceparent`` header, ``arrival_ns`` = when the server handed the request
+  to the middleware (headers parsed: the first bytes of the request are in),
+  ``first_token_ns`` = the first token's ``sent_ns``, ``finish_ns`` = end of
+  the last body ``send`` (or when the app returned, if it never finished the
+  response); prompt, output and cached token counts from the ``usage`` object
+  of the final SSE chunk or the JSON body (output tokens fall back to the
+  number of token chunks); status: 2xx/3xx ``ok``, 4xx ``rejected``, 5xx,
+  an exception from the app, or an ``error`` object in a 2xx body (an SSE
+  error event) ``error``, a client that went away before the end
+  ``aborted``; the error label is the body's ``error.type`` (or ``code``),
+  else ``http_<status>``, the exception's class name or ``client_disconnected``;
+* ``gateway.receive`` (token 0): from arrival until the app has read the
+  whole request body (or until it starts the response without reading it);
+* for an SSE response (``text/event-stream``): one ``tokens`` row per
+  ``data:`` event whose choices carry text (``text``, ``delta.content``, ...),
+  with ``sent_ns`` = when the ``send`` call of the chunk holding it returned;
+  the role-only chunk, the usage-only chunk and ``[DONE]`` are not tokens
+  (``instrument.sse``); one ``stream.send`` span per body chunk: the time spent
+  in its ``send`` call, with the index of the first token in the chunk
+  (request-level, ``-1``, for chunks without a token; none for the empty
+  closing message).
+
+The middleware is pure ASGI (no ``BaseHTTPMiddleware``): the app's own
+message objects are passed through unchanged (zero copy; only a JSON
+response's body chunks are also kept by reference, up to
+``max_json_bytes``, to read its usage at the end). Its own failures never
+reach the app or the server: they are logged once and the request is left
+untraced; exceptions of the app and of the server's ``send`` propagate
+unchanged. ``recorder=None`` uses the recorder bound by
+``tokentrace.instrument`` at request time (no tracing while none is bound).
+``recorder`` may be any object with the recorder's event methods, e.g. an
+``instrument.sampling.SamplingRecorder``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from typing import Any, Awaitable, Callable, Collection, MutableMapping
+
+from instrument.sse import EventInfo, SseScanner, Usage, classify_event
+from tokentrace import api
+from tokentrace.clock import now_ns
+from tokentrace.recorder import Recorder
+from tokentrace.schema import RequestStatus, Stage, request_id_of
+
+__all__ = ["TokenTraceMiddleware", "DEFAULT_PATHS", "parse_traceparent"]
+
+log = logging.getLogger("tokentrace")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_PATHS = ("/v1/completions", "/v1/chat/completions")
+"""Request paths traced by default (the OpenAI generation endpoints)."""
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+
+
+def parse_traceparent(value: str) -> str:
+    """The trace id (32 lowercase hex digits) of a W3C ``traceparent`` value, or ``""`` if invalid."""
+    m = _TRACEPARENT.match(value.strip().lower())
+    if m is None or m.group(1) == "ff" or m.group(2) == "0" * 32 or m.group(3) == "0" * 16:
+        return ""
+    return m.group(2)
+
+
+class _Exchange:
+    """What the middleware learns about one HTTP request/response (event-loop thread only)."""
+
+    __slots__ = ("rec", "rid", "key", "tenant", "slo_class", "trace_id", "t_arrival", "receive_end_ns",
+                 "status_code", "sse", "json_parts", "json_bytes", "max_json_bytes", "scanner",
+                 "num_tokens", "t_first_token", "last_send_ns", "complete", "usage", "error",
+                 "status", "body_error")
+
+    def __init__(self, rec: Any, headers: dict[bytes, bytes], arrival_ns: int, mw: TokenTraceMiddleware) -> None:
+        self.rec = rec
+        key = headers.get(mw.request_id_header, b"").decode("latin-1").strip()
+        self.key = key or uuid.uuid4().hex
+        self.rid = request_id_of(self.key)
+        self.tenant = headers.get(mw.tenant_header, b"").decode("latin-1").strip() if mw.tenant_header else ""
+        self.slo_class = (headers.get(mw.slo_class_header, b"").decode("latin-1").strip()
+                          if mw.slo_class_header else "")
+        self.trace_id = parse_traceparent(headers.get(b"traceparent", b"").decode("latin-1"))
+        self.t_arrival = arrival_ns
+        self.receive_end_ns = -1
+        self.status_code = 0
+        self.sse = False
+        self.json_parts: list[bytes] | None = None
+        self.json_bytes = 0
+        self.max_json_bytes = mw.max_json_bytes
+        self.scanner: SseScanner | None = None
+        self.num_tokens = 0
+        self.t_first_token = -1
+        self.last_send_ns = -1
+        self.complete = False
+        self.usage: Usage | None = None
+        self.error = ""
+        self.status = RequestStatus.OK
+        self.body_error = ""  # kind of the first ``error`` object in the response body
+
+    def on_receive(self, message: Message) -> None:
+        kind = message.get("type")
+        if kind == "http.request":
+            if not message.get("more_body", False) and self.receive_end_ns < 0:
+                self.receive_end_ns = now_ns()
+        elif kind == "http.disconnect" and not self.complete:
+            self._fail(RequestStatus.ABORTED, "client_disconnected")
+
+    def on_start(self, message: Message, t_ns: int) -> None:
+        if self.receive_end_ns < 0:
+            self.receive_end_ns = t_ns
+        self.status_code = int(message.get("status", 200))
+        content_type = b""
+        for name, value in message.get("headers", ()):
+            if name.lower() == b"content-type":
+                content_type = value.lower()
+        if content_type.startswith(b"text/event-stream"):
+            self.sse = True
+            self.scanner = SseScanner()
+        elif content_type.startswith(b"application/json"):
+            self.json_parts = []
+
+    def on_body(self, message: Message, start_ns: int, end_ns: int) -> None:
+        body = message.get("body", b"")
+        first_index = -1
+        if self.scanner is not None and body:
+            for data in self.scanner.feed(body):
+                info = classify_event(data)
+                if info.has_token:
+                    if first_index < 0:
+                        first_index = self.num_tokens
+                    if self.t_first_token < 0:
+                        self.t_first_token = end_ns
+                    self.rec.token(self.rid, self.num_tokens, sent_ns=end_ns)
+                    self.num_tokens += 1
+                self._note(info)
+        elif self.json_parts is not None and body:
+            self.json_bytes += len(body)
+            if self.json_bytes <= self.max_json_bytes:
+                self.json_parts.append(body)
+        if self.sse and body:  # the empty closing message carries no data
+            self.rec.span(self.rid, Stage.STREAM_SEND, start_ns, end_ns, first_index)
+        self.last_send_ns = end_ns
+        if not message.get("more_body", False):
+            self.complete = True
+
+    def _note(self, info: EventInfo) -> None:
+        if info.usage is not None:
+            self.usage = info.usage
+        if info.error is not None and not self.body_error:
+            self.body_error = info.error
+
+    def _fail(self, status: RequestStatus, error: str) -> None:
+        if self.status == RequestStatus.OK:
+            self.status, self.error = status, error
+
+    def on_app_error(self, exc: BaseException) -> None:
+        if self.complete:
+            return
+        if isinstance(exc, (OSError, ConnectionError)) or type(exc).__name__ == "CancelledError":
+            self._fail(RequestStatus.ABORTED, type(exc).__name__)
+        else:
+            self._fail(RequestStatus.ERROR, type(exc).__name__)
+
+    def finish(self) -> None:
+        """Write the request's row and its ``gateway.receive`` span."""
+        end_ns = now_ns()
+        if self.json_parts and self.json_bytes <= self.max_json_bytes:
+            self._note(classify_event(b"".join(self.json_parts)))
+        code = self.status_code
+        if code >= 500:
+            self._fail(RequestStatus.ERROR, self.body_error or f"http_{code}")
+        elif code >= 400:
+            self._fail(RequestStatus.REJECTED, self.body_error or f"http_{code}")
+        elif code == 0:
+            self._fail(RequestStatus.ERROR, "no_response")
+        elif self.body_error:
+            self._fail(RequestStatus.ERROR, self.body_error)
+        elif not self.complete:
+            self._fail(RequestStatus.ABORTED, "incomplete_response")
+        usage = self.usage or Usage()
+        rec = self.rec
+        if self.receive_end_ns >= 0:
+            rec.span(self.rid, Stage.GATEWAY_RECEIVE, self.t_arrival, self.receive_end_ns, 0)
+        rec.request_begin(self.key, tenant=self.tenant, slo_class=self.slo_class, arrival_ns=self.t_arrival,
+                          num_prompt_tokens=usage.num_prompt_tokens, trace_id=self.trace_id)
+        num_output = usage.num_output_tokens
+        if num_output < 0 and self.sse:
+            num_output = self.num_tokens
+        rec.request_end(self.rid, finish_ns=self.last_send_ns if self.complete else end_ns,
+                        status=self.status, first_token_ns=self.t_first_token,
+                        num_output_tokens=num_output, num_cached_tokens=usage.num_cached_tokens,
+                        error=self.error)
+
+
+class TokenTraceMiddleware:
+    """Pure ASGI middleware recording each traced request (see the module docstring).
+
+    ``paths``: exact request paths to trace (default :data:`DEFAULT_PATHS`;
+    ``None`` traces every HTTP request); other requests, websockets and
+    lifespan events pass through untouched. Header options name request
+    headers, case-insensitive; ``None`` disables one. Runs on the server's
+    event loop; adds no await of its own and never blocks (the recorder's
+    methods do not).
+    """
+
+    def __init__(self, app: ASGIApp, *, recorder: Recorder | Any | None = None,
+                 tenant_header: str | None = "x-tenant", slo_class_header: str | None = "x-slo-class",
+                 request_id_header: str = "x-request-id", paths: Collection[str] | None = DEFAULT_PATHS,
+                 max_json_bytes: int = 1 << 20) -> None:
+        if max_json_bytes < 0:
+            raise ValueError(f"max_json_bytes must be >= 0, got {max_json_bytes}")
+        if not request_id_header:
+            raise ValueError("request_id_header must name a header")
+        self.app = app
+        self.recorder = recorder
+        self.tenant_header = tenant_header.lower().encode("latin-1") if tenant_header else None
+        self.slo_class_header = slo_class_header.lower().encode("latin-1") if slo_class_header else None
+        self.request_id_header = request_id_header.lower().encode("latin-1")
+        self.paths = None if paths is None else frozenset(paths)
+        self.max_json_bytes = int(max_json_bytes)
+        self._warned = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or (self.paths is not None and scope.get("path") not in self.paths):
+            await self.app(scope, receive, send)
+            return
+        rec = self.recorder if self.recorder is not None else api.current()
+        if rec is None:
+            await self.app(scope, receive, send)
+            return
+        arrival_ns = now_ns()
+        try:
+            ex = _Exchange(rec, {k.lower(): v for k, v in scope.get("headers", ())}, arrival_ns, self)
+        except Exception as e:
+            self._warn(e)
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, self._receive(ex, receive), self._send(ex, send))
+        except BaseException as exc:
+            self._guard(ex.on_app_error, exc)
+            raise
+        finally:
+            self._guard(ex.finish)
+
+    def _receive(self, ex: _Exchange, receive: Receive) -> Receive:
+        async def traced_receive() -> Message:
+            message = await receive()
+            self._guard(ex.on_receive, message)
+            return message
+
+        return traced_receive
+
+    def _send(self, ex: _Exchange, send: Send) -> Send:
+        async def traced_send(message: Message) -> None:
+            kind = message.get("type")
+            if kind == "http.response.body":
+                start_ns = now_ns()
+                await send(message)
+                self._guard(ex.on_body, message, start_ns, now_ns())
+                return
+            if kind == "http.response.start":
+                self._guard(ex.on_start, message, now_ns())
+            await send(message)
+
+        return traced_send
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a bookkeeping step; its failure is logged once and never propagates."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self._warn(e)
+
+    def _warn(self, e: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("tokentrace ASGI middleware: tracing step failed (%s: %s); the request is "
+                        "served normally; this warning is shown once", type(e).__name__, e)

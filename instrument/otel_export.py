@@ -1,0 +1,328 @@
+"""Export a store run to OpenTelemetry: one span tree per request.
+
+``export_run_to_otel(run, exporter)`` reads a run (``tokentrace.open(...)``)
+and hands every request to an OpenTelemetry ``SpanExporter`` (the OTLP/HTTP
+or gRPC exporters, the console exporter, the SDK's ``InMemorySpanExporter``)
+as finished spans, without a tracer provider and without touching the global
+OpenTelemetry state. :func:`otlp_exporter` builds the OTLP/HTTP exporter for
+an endpoint.
+
+The tree of one request
+-----------------------
+* ``llm_request`` (kind SERVER): ``[arrival, finish]``; attributes: GenAI
+  semantic conventions (``gen_ai.request.id`` = the request key,
+  ``gen_ai.usage.input_tokens`` / ``output_tokens`` /
+  ``cache_read_input_tokens``, ``gen_ai.server.time_to_first_token`` and
+  ``gen_ai.server.request.duration`` in seconds), vLLM's latency names
+  (``gen_ai.latency.time_in_queue`` = sum of ``schedule.queue``,
+  ``time_in_model_prefill`` = sum of ``prefill.compute``,
+  ``time_in_model_decode`` = sum of ``decode.compute``, ``time_to_first_token``,
+  ``e2e``; so ``tokentrace ingest-otlp`` reads our export back) and ours
+  (tenant, SLO class, status). Status ERROR with ``error.type`` unless ``ok``.
+* one child span (kind INTERNAL) per stage interval of the ``spans`` table,
+  named by the stage label (``prefill.compute``), with the token index,
+  engine step, instance, bytes, tier and batch size as attributes
+  (``include_token_stages=False`` keeps only request-level intervals);
+* optionally (``token_events=True``) one ``tokentrace.token`` event per output
+  token on the request span, at its delivery time (sent, else emitted).
+
+Ids and times
+-------------
+The trace id is the request's own W3C trace id (``requests.otel_trace_id``,
+from the ``traceparent`` the request came with) when it has one, so the tree
+joins the caller's trace; otherwise it is derived from (run id, request id).
+Span ids are derived from the trace id and the span's position: exporting a
+run twice produces the same ids. Times: each instance's monotonic times are
+moved onto the run's reference clock (``instances.clock_offset_ns``), then to
+Unix time with the wall-clock anchor of the reference instance (the first
+with offset 0); a run without ``instances`` rows uses the exporting process's
+own anchor (right for a run recorded on this host since its last boot).
+
+Live export is deliberately not a sink wrapper: a request's rows reach the
+sink over several flushes, so a live tree would need an unbounded buffer or
+broken trees. Export finished runs (or a run periodically) instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import pyarrow as pa
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from instrument import semconv as sc
+from tokentrace.clock import take_anchor
+from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, RequestStatus, Stage, Tier, col
+
+__all__ = ["ExportSummary", "RequestTree", "export_run_to_otel", "build_request_spans", "otlp_exporter"]
+
+# requests count column -> the span attributes that carry it
+_COUNTS = {
+    col.NUM_PROMPT_TOKENS: (sc.GEN_AI_USAGE_INPUT_TOKENS, sc.GEN_AI_USAGE_PROMPT_TOKENS),
+    col.NUM_OUTPUT_TOKENS: (sc.GEN_AI_USAGE_OUTPUT_TOKENS, sc.GEN_AI_USAGE_COMPLETION_TOKENS),
+    col.NUM_CACHED_TOKENS: (sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,),
+}
+_SCOPE = InstrumentationScope("tokentrace.instrument.otel_export", "1")
+_NS_PER_S = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSummary:
+    """What :func:`export_run_to_otel` did."""
+
+    num_requests: int
+    num_spans: int
+    num_failed_batches: int
+
+
+@dataclass(slots=True)
+class RequestTree:
+    """One request's facts, merged over the instances that saw it (reference clock, ns)."""
+
+    request_id: int
+    key: str = ""
+    tenant: str = ""
+    slo_class: str = ""
+    trace_id: str = ""
+    arrival_ns: int | None = None
+    first_token_ns: int | None = None
+    finish_ns: int | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    """Prompt, output and cached token counts by their ``requests`` column name (largest seen)."""
+    status: int = RequestStatus.OK
+    error: str = ""
+
+
+def _rows(t: pa.Table) -> list[dict[str, Any]]:
+    return t.to_pylist()
+
+
+def _offsets_and_anchor(instances: pa.Table) -> tuple[dict[int, int], int]:
+    """Per-instance clock offsets, and ``wall - mono`` of the reference clock (ns)."""
+    offsets: dict[int, int] = {}
+    anchors: dict[int, int] = {}
+    for row in _rows(instances):  # later rows refine earlier ones
+        iid = row[col.INSTANCE_ID]
+        offsets[iid] = row[col.CLOCK_OFFSET_NS] or 0
+        anchors[iid] = row[col.WALL_ANCHOR_NS] - row[col.MONO_ANCHOR_NS]
+    ref = next((i for i, off in offsets.items() if off == 0), next(iter(offsets), None))
+    if ref is None:
+        a = take_anchor()
+        return offsets, a.wall_ns - a.mono_ns
+    # wall = t_local + offset + (wall_anchor - mono_anchor) of the reference instance
+    return offsets, anchors[ref] - offsets[ref]
+
+
+def _merge(tree: RequestTree, row: dict[str, Any], shift: int) -> None:
+    def first_str(old: str, new: str | None) -> str:
+        return old or (new or "")
+
+    def lo(old: int | None, new: int | None) -> int | None:
+        return old if new is None else (new + shift if old is None else min(old, new + shift))
+
+    tree.key = first_str(tree.key, row[col.REQUEST_KEY])
+    tree.tenant = first_str(tree.tenant, row[col.TENANT])
+    tree.slo_class = first_str(tree.slo_class, row[col.SLO_CLASS])
+    tree.trace_id = first_str(tree.trace_id, row[col.TRACE_ID])
+    tree.arrival_ns = lo(tree.arrival_ns, row[col.ARRIVAL_NS])
+    tree.first_token_ns = lo(tree.first_token_ns, row[col.FIRST_TOKEN_NS])
+    if row[col.FINISH_NS] is not None:
+        f = row[col.FINISH_NS] + shift
+        tree.finish_ns = f if tree.finish_ns is None else max(tree.finish_ns, f)
+    for column in _COUNTS:
+        v = row[column]
+        if v is not None and v >= 0:
+            tree.counts[column] = max(tree.counts.get(column, v), v)
+    if row[col.STATUS] is not None and row[col.STATUS] > tree.status:
+        tree.status, tree.error = row[col.STATUS], row[col.ERROR] or ""
+
+
+def _ids(run_id: str, tree: RequestTree) -> int:
+    if len(tree.trace_id) == 32:
+        try:
+            value = int(tree.trace_id, 16)
+            if value:
+                return value
+        except ValueError:
+            pass
+    digest = hashlib.blake2b(f"{run_id}/{tree.request_id}".encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def _span_id(trace_id: int, n: int) -> int:
+    digest = hashlib.blake2b(trace_id.to_bytes(16, "big") + n.to_bytes(8, "big"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def _ctx(trace_id: int, span_id: int) -> SpanContext:
+    return SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+
+def _stage_attributes(row: dict[str, Any]) -> dict[str, Any]:
+    stage = Stage(row[col.STAGE])
+    attrs: dict[str, Any] = {sc.TT_STAGE: stage.label, sc.TT_TOKEN_INDEX: row[col.TOKEN_INDEX],
+                             sc.TT_INSTANCE_ID: row[col.INSTANCE_ID]}
+    for key, column in ((sc.TT_ENGINE_STEP, col.STEP), (sc.TT_BYTES, col.NUM_BYTES),
+                        (sc.TT_BATCH_SIZE, col.BATCH_SIZE)):
+        if row[column] is not None and row[column] >= 0:
+            attrs[key] = row[column]
+    if row[col.TIER] is not None and row[col.TIER] >= 0:
+        attrs[sc.TT_KV_TIER] = Tier(row[col.TIER]).label
+    return attrs
+
+
+def _request_attributes(tree: RequestTree, stage_sums: dict[Stage, int], first_ns: int | None,
+                        end_ns: int) -> dict[str, Any]:
+    attrs: dict[str, Any] = {sc.GEN_AI_SYSTEM: "tokentrace", sc.GEN_AI_REQUEST_ID: tree.key,
+                             sc.TT_STATUS: RequestStatus(tree.status).label}
+    for key, value in ((sc.TT_TENANT, tree.tenant), (sc.TT_SLO_CLASS, tree.slo_class)):
+        if value:
+            attrs[key] = value
+    for column, keys in _COUNTS.items():
+        if column in tree.counts:
+            for key in keys:
+                attrs[key] = tree.counts[column]
+    if tree.arrival_ns is not None:
+        if first_ns is not None:
+            ttft = (first_ns - tree.arrival_ns) / _NS_PER_S
+            attrs[sc.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN] = attrs[sc.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = ttft
+        e2e = (end_ns - tree.arrival_ns) / _NS_PER_S
+        attrs[sc.GEN_AI_SERVER_REQUEST_DURATION] = attrs[sc.GEN_AI_LATENCY_E2E] = e2e
+    for key, stage in ((sc.GEN_AI_LATENCY_TIME_IN_QUEUE, Stage.SCHEDULE_QUEUE),
+                       (sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL, Stage.PREFILL_COMPUTE),
+                       (sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE, Stage.DECODE_COMPUTE)):
+        if stage in stage_sums:
+            attrs[key] = stage_sums[stage] / _NS_PER_S
+    if tree.status != RequestStatus.OK:
+        attrs[sc.ERROR_TYPE] = tree.error or RequestStatus(tree.status).label
+    return attrs
+
+
+def build_request_spans(tree: RequestTree, stage_rows: Sequence[dict[str, Any]],
+                        token_times: Sequence[tuple[int, int]], *, run_id: str, to_wall: int,
+                        resource: Resource, token_events: bool = False) -> list[ReadableSpan]:
+    """The finished spans of one request: the request span first, then its stage spans.
+
+    ``stage_rows``: its ``spans`` rows (reference clock, ns); ``token_times``:
+    (token index, delivery time) pairs (reference clock, ns); ``to_wall``:
+    add to a reference-clock time to get Unix ns.
+    """
+    trace_id = _ids(run_id, tree)
+    root = _ctx(trace_id, _span_id(trace_id, 0))
+    starts = [r[col.START_NS] for r in stage_rows]
+    ends = [r[col.END_NS] for r in stage_rows]
+    begin = min([t for t in [tree.arrival_ns, *starts] if t is not None], default=None)
+    end = max([t for t in [tree.finish_ns, *ends, *(t for _, t in token_times)] if t is not None], default=begin)
+    if begin is None or end is None:
+        return []
+    first_ns = min((t for _, t in token_times), default=tree.first_token_ns)
+    sums: dict[Stage, int] = defaultdict(int)
+    children = []
+    for n, row in enumerate(stage_rows, start=1):
+        sums[Stage(row[col.STAGE])] += row[col.END_NS] - row[col.START_NS]
+        children.append(ReadableSpan(
+            Stage(row[col.STAGE]).label, _ctx(trace_id, _span_id(trace_id, n)), root, resource,
+            _stage_attributes(row), kind=SpanKind.INTERNAL, start_time=row[col.START_NS] + to_wall,
+            end_time=row[col.END_NS] + to_wall, instrumentation_scope=_SCOPE))
+    events = [Event(sc.TOKEN_EVENT, {sc.TT_TOKEN_INDEX: i}, timestamp=t + to_wall) for i, t in token_times] \
+        if token_events else []
+    status = Status(StatusCode.UNSET) if tree.status == RequestStatus.OK else \
+        Status(StatusCode.ERROR, tree.error or RequestStatus(tree.status).label)
+    request = ReadableSpan(sc.LLM_REQUEST_SPAN, root, None, resource,
+                           _request_attributes(tree, sums, first_ns, end), events, kind=SpanKind.SERVER,
+                           status=status, start_time=begin + to_wall, end_time=end + to_wall,
+                           instrumentation_scope=_SCOPE)
+    return [request, *children]
+
+
+def _token_times(tokens: pa.Table, offsets: dict[int, int]) -> dict[int, dict[int, int]]:
+    """request id -> token index -> delivery time (earliest sent, else earliest emit; reference clock)."""
+    sent: dict[int, dict[int, int]] = defaultdict(dict)
+    emit: dict[int, dict[int, int]] = defaultdict(dict)
+    for row in _rows(tokens):
+        shift = offsets.get(row[col.INSTANCE_ID], 0)
+        for times, column in ((sent, col.SENT_NS), (emit, col.EMIT_NS)):
+            t = row[column]
+            if t is not None:
+                per = times[row[col.REQUEST_ID]]
+                i = row[col.TOKEN_INDEX]
+                per[i] = min(per.get(i, t + shift), t + shift)
+    return {rid: {**emit.get(rid, {}), **sent.get(rid, {})} for rid in set(sent) | set(emit)}
+
+
+def _batches(items: Iterable[ReadableSpan], size: int) -> Iterable[list[ReadableSpan]]:
+    batch: list[ReadableSpan] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def export_run_to_otel(run: Any, exporter: SpanExporter, *, token_events: bool = False,
+                       include_token_stages: bool = True, service_name: str = "tokentrace",
+                       batch_size: int = 512) -> ExportSummary:
+    """Export every request of ``run`` (a ``tokentrace.store.Run``) to ``exporter``.
+
+    Blocks while the exporter sends; does not shut the exporter down (the
+    caller owns it). Requests without any time are skipped. A batch the
+    exporter reports as failed is counted, not retried (exporters retry
+    themselves). Raises ``ValueError`` if ``batch_size < 1``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    offsets, to_wall = _offsets_and_anchor(run.table(INSTANCES.name))
+    trees: dict[int, RequestTree] = {}
+    for row in _rows(run.table(REQUESTS.name)):
+        rid = row[col.REQUEST_ID]
+        _merge(trees.setdefault(rid, RequestTree(rid)), row, offsets.get(row[col.INSTANCE_ID], 0))
+    stage_rows: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in _rows(run.table(SPANS.name)):
+        if not include_token_stages and row[col.TOKEN_INDEX] >= 0:
+            continue
+        shift = offsets.get(row[col.INSTANCE_ID], 0)
+        row[col.START_NS] += shift
+        row[col.END_NS] += shift
+        stage_rows[row[col.REQUEST_ID]].append(row)
+        trees.setdefault(row[col.REQUEST_ID], RequestTree(row[col.REQUEST_ID]))
+    tokens = _token_times(run.table(TOKENS.name), offsets)
+    resource = Resource.create({sc.SERVICE_NAME: service_name, sc.TT_RUN_ID: run.run_id})
+    num_spans = num_requests = failed = 0
+
+    def spans() -> Iterable[ReadableSpan]:
+        nonlocal num_spans, num_requests
+        for rid, tree in trees.items():
+            rows = sorted(stage_rows.get(rid, []), key=lambda r: (r[col.START_NS], r[col.END_NS]))
+            times = sorted(tokens.get(rid, {}).items())
+            built = build_request_spans(tree, rows, times, run_id=run.run_id, to_wall=to_wall,
+                                        resource=resource, token_events=token_events)
+            num_requests += bool(built)
+            num_spans += len(built)
+            yield from built
+
+    for batch in _batches(spans(), batch_size):
+        if exporter.export(batch) != SpanExportResult.SUCCESS:
+            failed += 1
+    return ExportSummary(num_requests, num_spans, failed)
+
+
+def otlp_exporter(endpoint: str, *, timeout_s: float = 10.0) -> SpanExporter:
+    """An OTLP/HTTP protobuf span exporter for ``endpoint`` (``http://host:4318/v1/traces``).
+
+    Needs the ``opentelemetry-exporter-otlp-proto-http`` package; raises
+    ``ImportError`` naming it when it is missing.
+    """
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as e:
+        raise ImportError("exporting over OTLP needs: pip install opentelemetry-exporter-otlp-proto-http") from e
+    return OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)

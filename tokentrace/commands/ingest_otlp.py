@@ -1,0 +1,60 @@
+"""``tokentrace ingest-otlp``: receive OTLP/HTTP traces (e.g. from vLLM) into a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["register", "parse_listen"]
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port); ``ValueError`` if malformed."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen must be HOST:PORT, e.g. 127.0.0.1:4318; got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def ingest_otlp_command(
+    store: Annotated[Path, typer.Option(help="Store folder the received spans are written into.")],
+    listen: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = "127.0.0.1:4318",
+    run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
+    role: Annotated[str, typer.Option(help="Role recorded for the traced server (colocated, prefill, decode, ...).")] = "colocated",
+) -> None:
+    """Receive OTLP/HTTP spans on POST /v1/traces (protobuf or JSON) until Ctrl-C / SIGTERM.
+
+    vLLM's llm_request spans become requests rows and schedule.queue,
+    prefill.compute and decode.compute spans; other spans are counted and ignored.
+    Point vLLM at it with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf and
+    --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces (vLLM defaults to gRPC).
+    """
+    from instrument.otlp_ingest import serve_otlp
+
+    try:
+        host, port = parse_listen(listen)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+    def ready(url: str, run_id: str | None) -> None:
+        typer.echo(f"listening on {url} (store {store}, run {run_id})")
+
+    try:
+        summary = serve_otlp(host=host, port=port, store=str(store), run=run, role=role, on_ready=ready)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    except OSError as err:
+        typer.echo(f"error: cannot listen on {listen} or write {store}: {err.strerror or err}", err=True)
+        raise typer.Exit(1) from None
+    counts = ", ".join(f"{k}={v}" for k, v in summary.counts.items())
+    typer.echo(f"stopped; run {summary.run_id}: {counts}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ingest-otlp")(ingest_otlp_command)
