@@ -114,6 +114,7 @@ class WriterFragment:
     """
 
     writer_id: int
+    config: dict[str, Any] = field(default_factory=dict)  # what this writer was created with
     parent_writer_id: int | None = None
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
@@ -147,6 +148,7 @@ class WriterFragment:
     def to_json(self) -> dict[str, Any]:
         return {
             "writer": self.writer_id,
+            "config": self.config,
             "parent_writer": self.parent_writer_id,
             "pid": self.pid,
             "host": self.host,
@@ -212,7 +214,9 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     """The merged manifest of a run.
 
     Keys of the run-level file (empty if it is missing or unreadable), plus
-    ``writers`` (the fragments), ``instances`` (one entry per instance id
+    ``config`` (the run-level file's config, completed with keys that only
+    later writers were given: the first writer to name a key wins),
+    ``writers`` (the fragments, each with its own ``config``), ``instances`` (one entry per instance id
     seen in written rows or reported with ``register_instance``; role and
     name are ``None`` unless reported; later writers win) and ``counters`` (summed over writers;
     ``dropped`` and ``sampled_out`` always present).
@@ -223,9 +227,20 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     fragments = read_fragments(run_dir)
     merged = dict(base)
     merged["writers"] = fragments
+    merged["config"] = _merge_configs(base.get("config"), fragments)
     merged["instances"] = _merge_instances(fragments)
     merged["counters"] = _sum_counters(fragments)
     return merged
+
+
+def _merge_configs(run_config: Any, fragments: list[dict[str, Any]]) -> dict[str, Any]:
+    config = dict(run_config) if isinstance(run_config, dict) else {}
+    for frag in fragments:
+        extra = frag.get("config")
+        if isinstance(extra, dict):
+            for key, value in extra.items():
+                config.setdefault(key, value)
+    return config
 
 
 def _merge_instances(fragments: list[dict[str, Any]]) -> list[dict[str, Any]]:

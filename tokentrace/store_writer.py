@@ -63,7 +63,7 @@ class StoreWriter:
         self._lock = threading.Lock()
         self._next_part: dict[str, int] = {}  # table name -> next part number (1-based)
         self._closed = False
-        self._fragment = WriterFragment(self.instance_id)
+        self._fragment = WriterFragment(self.instance_id, config=self._config)
         self.run_path.mkdir(parents=True, exist_ok=True)
         write_run_manifest(self.run_path, self.run_id, self._config)
         self._fragment.save(self.run_path)

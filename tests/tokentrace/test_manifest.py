@@ -123,3 +123,15 @@ def test_close_marks_the_fragment_closed_with_what_was_written(tmp_path):
     (frag,) = open_run(tmp_path).manifest["writers"]
     assert frag["closed"] is True and frag["writer"] == w.instance_id
     assert frag["parts_written"] == {SPANS.name: 2} and frag["rows_written"] == {SPANS.name: 6}
+
+
+def test_a_later_writers_config_keys_reach_the_merged_manifest(tmp_path):
+    from tokentrace.store import StoreWriter, open_run
+
+    first = StoreWriter(tmp_path, run_id="shared", config={"server": "reference", "mode": "disagg"})
+    second = StoreWriter(tmp_path, run_id="shared", config={"workload": {"time_scale": 0.5}, "mode": "other"})
+    first.close()
+    second.close()
+    manifest = open_run(tmp_path, run="shared").manifest
+    assert manifest["config"] == {"server": "reference", "mode": "disagg", "workload": {"time_scale": 0.5}}
+    assert sorted(w["config"].get("mode") for w in manifest["writers"]) == ["disagg", "other"]
