@@ -1,0 +1,156 @@
+"""How far the server's own timeline disagrees with what an independent client saw.
+
+The load generator (``tokentrace bench``) records, as instance role ``client``,
+when it sent each request (``requests.arrival_ns``) and when each token's chunk
+arrived (``tokens.recv_ns``). The server side records the same requests (joined on
+``request_id``, derived from the ``X-Request-Id`` the client sent). On the run's
+reference clock (:func:`analyzers.align.align`):
+
+* client TTFT = recv(token 0) - send; client ITL_i = recv(i) - recv(i-1);
+* server TTFT and ITL_i = the server's token latencies (:func:`analyzers.timing.token_intervals`:
+  arrival -> token 0 delivered, delivered(i-1) -> delivered(i));
+* server stage sum = the sum of the durations of the token's spans (``spans.token_index`` = i),
+  the quantity the stage breakdown attributes;
+* differences are server - client: a TTFT difference is normally negative (the
+  client also waits for the network and for the server's accept/parse), an ITL
+  difference is centred on zero (jitter of delivery).
+
+Pure functions: store tables (Arrow) in, pandas out. No client rows or no server rows
+give empty results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analyzers.align import align, client_instance_ids
+from analyzers.timing import LATENCY, token_intervals
+from tokentrace.schema import REQUESTS, SPANS, TOKENS, col
+
+__all__ = ["client_token_times", "token_agreement", "ttft_agreement", "itl_agreement", "agreement_summary",
+           "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS"]
+
+CLIENT_NS = "client_ns"
+"""Client-observed latency of the token (TTFT for token 0, ITL otherwise), ns."""
+SERVER_NS = "server_ns"
+"""Server-side latency of the same token, ns."""
+STAGE_SUM_NS = "server_stage_sum_ns"
+"""Sum of the token's stage spans on the server, ns (null when it has no spans)."""
+DIFF_NS = "diff_ns"
+"""SERVER_NS - CLIENT_NS."""
+STAGE_DIFF_NS = "stage_diff_ns"
+"""STAGE_SUM_NS - CLIENT_NS."""
+_SUMMARY_METRICS = (("ttft", DIFF_NS), ("itl", DIFF_NS), ("ttft_stages", STAGE_DIFF_NS), ("itl_stages", STAGE_DIFF_NS))
+
+
+def _only(t: pa.Table, ids: list[int], keep: bool) -> pa.Table:
+    mask = pc.is_in(t.column(col.INSTANCE_ID), value_set=pa.array(ids, pa.int64()))
+    return t.filter(mask if keep else pc.invert(mask))
+
+
+def client_token_times(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
+    """Client view per token: request_id, token_index, client_ns (TTFT for token 0, else ITL).
+
+    Tokens of requests the client never saw a token 0 of are left out.
+    """
+    clients = client_instance_ids(instances)
+    empty = pd.DataFrame({col.REQUEST_ID: pd.Series(dtype="int64"), col.TOKEN_INDEX: pd.Series(dtype="int64"),
+                          CLIENT_NS: pd.Series(dtype="int64")})
+    if not clients:
+        return empty
+    req = _only(align(requests, REQUESTS.name, instances), clients, True)
+    tok = _only(align(tokens, TOKENS.name, instances), clients, True)
+    if req.num_rows == 0 or tok.num_rows == 0:
+        return empty
+    exact = {pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int64Dtype()}.get  # ns stay exact (no float64)
+    sends = (req.select([col.REQUEST_ID, col.ARRIVAL_NS]).to_pandas(types_mapper=exact)
+             .dropna().astype("int64").groupby(col.REQUEST_ID, as_index=False)[col.ARRIVAL_NS].min())
+    recv = (tok.select([col.REQUEST_ID, col.TOKEN_INDEX, col.RECV_NS]).to_pandas(types_mapper=exact)
+            .dropna().astype("int64")
+            .groupby([col.REQUEST_ID, col.TOKEN_INDEX], as_index=False)[col.RECV_NS].min())
+    recv = recv.merge(sends, on=col.REQUEST_ID, how="inner").sort_values([col.REQUEST_ID, col.TOKEN_INDEX])
+    by_request = recv.groupby(col.REQUEST_ID)
+    prev = by_request[col.RECV_NS].shift(1, fill_value=0)
+    prev_index = by_request[col.TOKEN_INDEX].shift(1, fill_value=-2)
+    first = recv[col.TOKEN_INDEX] == 0
+    base = recv[col.ARRIVAL_NS].where(first, prev)
+    recv[CLIENT_NS] = recv[col.RECV_NS] - base
+    recv = recv[first | (prev_index == recv[col.TOKEN_INDEX] - 1)]  # a gap in indices: no ITL for that token
+    return recv[[col.REQUEST_ID, col.TOKEN_INDEX, CLIENT_NS]].reset_index(drop=True)
+
+
+def _stage_sums(spans: pa.Table | None, instances: pa.Table) -> pd.DataFrame | None:
+    if spans is None or spans.num_rows == 0:
+        return None
+    clients = client_instance_ids(instances)
+    sp = align(spans, SPANS.name, instances)
+    if clients:
+        sp = _only(sp, clients, False)
+    df = sp.select([col.REQUEST_ID, col.TOKEN_INDEX, col.START_NS, col.END_NS]).to_pandas()
+    df = df[df[col.TOKEN_INDEX] >= 0]
+    df[STAGE_SUM_NS] = df[col.END_NS] - df[col.START_NS]
+    return df.groupby([col.REQUEST_ID, col.TOKEN_INDEX], as_index=False)[STAGE_SUM_NS].sum()
+
+
+def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
+                    spans: pa.Table | None = None) -> pd.DataFrame:
+    """One row per token seen by both sides: request_id, token_index, client_ns, server_ns,
+    diff_ns, server_stage_sum_ns and stage_diff_ns (nullable Int64 when spans are absent)."""
+    client = client_token_times(requests, tokens, instances)
+    server = token_intervals(requests, tokens, instances)[[col.REQUEST_ID, col.TOKEN_INDEX, LATENCY]]
+    server = server.rename(columns={LATENCY: SERVER_NS})
+    for df in (client, server):
+        df[col.TOKEN_INDEX] = df[col.TOKEN_INDEX].astype("int64")
+        df[col.REQUEST_ID] = df[col.REQUEST_ID].astype("int64")
+    out = client.merge(server, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")
+    out[SERVER_NS] = out[SERVER_NS].astype("int64")
+    out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]
+    sums = _stage_sums(spans, instances)
+    if sums is not None:
+        sums[col.TOKEN_INDEX] = sums[col.TOKEN_INDEX].astype("int64")
+        out = out.merge(sums, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="left")
+        out[STAGE_SUM_NS] = out[STAGE_SUM_NS].astype("Int64")
+    else:
+        out[STAGE_SUM_NS] = pd.array([pd.NA] * len(out), dtype="Int64")
+    out[STAGE_DIFF_NS] = out[STAGE_SUM_NS] - out[CLIENT_NS]
+    return out.sort_values([col.REQUEST_ID, col.TOKEN_INDEX]).reset_index(drop=True)
+
+
+def ttft_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
+                   spans: pa.Table | None = None) -> pd.DataFrame:
+    """Per request (token 0 rows of :func:`token_agreement`): client vs server TTFT, ns."""
+    df = token_agreement(requests, tokens, instances, spans)
+    return df[df[col.TOKEN_INDEX] == 0].reset_index(drop=True)
+
+
+def itl_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
+                  spans: pa.Table | None = None) -> pd.DataFrame:
+    """Per token i >= 1 (rows of :func:`token_agreement`): client vs server ITL, ns."""
+    df = token_agreement(requests, tokens, instances, spans)
+    return df[df[col.TOKEN_INDEX] > 0].reset_index(drop=True)
+
+
+def agreement_summary(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
+                      spans: pa.Table | None = None) -> pd.DataFrame:
+    """Distribution of the differences, in ms: one row per metric.
+
+    Metrics: ``ttft`` and ``itl`` (server timestamps - client), ``ttft_stages`` and
+    ``itl_stages`` (server stage sums - client). Columns: metric, count, mean_ms,
+    p50_ms, p99_ms, max_abs_ms (NaN where a metric has no samples).
+    """
+    df = token_agreement(requests, tokens, instances, spans)
+    rows = []
+    for name, column in _SUMMARY_METRICS:
+        part = df[df[col.TOKEN_INDEX] == 0] if name.startswith("ttft") else df[df[col.TOKEN_INDEX] > 0]
+        v = part[column].dropna().to_numpy(dtype=float) / 1e6
+        rows.append({
+            "metric": name, "count": int(v.size),
+            "mean_ms": float(v.mean()) if v.size else float("nan"),
+            "p50_ms": float(np.percentile(v, 50)) if v.size else float("nan"),
+            "p99_ms": float(np.percentile(v, 99)) if v.size else float("nan"),
+            "max_abs_ms": float(np.abs(v).max()) if v.size else float("nan"),
+        })
+    return pd.DataFrame(rows)

@@ -1,0 +1,175 @@
+"""The cluster's handle on one worker process: spawn, connect, heartbeat, death.
+
+A :class:`WorkerHandle` starts ``python -m reference_server.serving.worker`` as a child
+process (inheriting the environment, so tracers installed through it reach the worker),
+waits for its ``READY <port>`` line, connects its control connection and says ``hello``.
+Then two tasks run on the backend's event loop: a reader that hands every frame to the
+cluster (pongs are handled here: stats, clock samples) and a heartbeat that pings every
+``heartbeat_interval_s``. The worker is declared dead, once, on EOF or a read error on
+the control connection, or when no pong arrived for ``heartbeat_timeout_s``; a dead
+worker's process is killed (if it still runs) and reaped, and ``on_dead`` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from reference_server.serving.wire import WireError, read_frame, write_frame
+from reference_server.serving.worker_hooks import ClockSample
+
+__all__ = ["WorkerHandle", "WorkerStartError"]
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding reference_server/
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process did not come up (exited, or no READY line in time)."""
+
+
+class WorkerHandle:
+    """One worker process and its control connection. Event-loop thread only."""
+
+    def __init__(self, *, name: str, role: str, config_json: str, delay_spec: str = "", kv_chunk_blocks: int = 16,
+                 host: str = "127.0.0.1", heartbeat_interval_s: float = 0.2, heartbeat_timeout_s: float = 1.0,
+                 on_frame: Callable[[WorkerHandle, dict[str, Any]], None],
+                 on_dead: Callable[[WorkerHandle, str], None],
+                 on_clock: Callable[[ClockSample], None] | None = None) -> None:
+        self.name, self.role, self.host = name, role, host
+        self._argv = [sys.executable, "-m", "reference_server.serving.worker", "--name", name, "--role", role,
+                      "--host", host, "--port", "0", "--config", config_json, "--delay", delay_spec,
+                      "--kv-chunk-blocks", str(kv_chunk_blocks)]
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self._on_frame, self._on_dead, self._on_clock = on_frame, on_dead, on_clock
+        self.proc: asyncio.subprocess.Process | None = None
+        self.port = 0
+        self.alive = False
+        self.stopping = False
+        self.inflight: set[str] = set()  # wids the cluster has outstanding here
+        self.stats: dict[str, Any] = {}  # the worker's last reported stats (EngineStats fields + kv counters)
+        self._writer: asyncio.StreamWriter | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._last_pong_ns = 0  # backend monotonic clock, ns
+        self._ping_id = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    async def start(self, *, timeout_s: float = 180.0) -> None:
+        """Spawn the process and connect. ``WorkerStartError`` if it does not come up."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        self.proc = await asyncio.create_subprocess_exec(
+            *self._argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=env)
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)  # type: ignore[union-attr]
+            parts = line.decode(errors="replace").split()
+            if len(parts) != 2 or parts[0] != "READY":
+                raise WorkerStartError(f"worker {self.name} did not start (said {line!r})")
+            self.port = int(parts[1])
+            reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            write_frame(self._writer, {"type": "hello"})
+            answer = await asyncio.wait_for(read_frame(reader), timeout_s)
+            if answer is None or answer[0].get("type") != "hello_ok":
+                raise WorkerStartError(f"worker {self.name} did not answer hello")
+        except (asyncio.TimeoutError, OSError, WireError, ValueError) as exc:
+            self._kill()
+            raise WorkerStartError(f"worker {self.name} did not start: {exc!r}") from None
+        except BaseException:
+            self._kill()
+            raise
+        self.alive = True
+        self._last_pong_ns = time.monotonic_ns()
+        self._tasks = [asyncio.ensure_future(self._read_loop(reader)), asyncio.ensure_future(self._heartbeat()),
+                       asyncio.ensure_future(self._drain_stdout())]
+
+    def send(self, header: dict[str, Any]) -> bool:
+        """Queue a frame to the worker; False if it is not alive."""
+        if not self.alive or self._writer is None or self._writer.is_closing():
+            return False
+        write_frame(self._writer, header)
+        return True
+
+    async def stop(self, *, timeout_s: float = 10.0) -> None:
+        """Ask the worker to shut down, wait for it (killing it after ``timeout_s``)."""
+        self.stopping = True
+        self.send({"type": "shutdown"})
+        self.alive = False
+        for task in self._tasks:
+            task.cancel()
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                self._kill()
+                await self.proc.wait()
+        if self._writer is not None:
+            self._writer.close()
+
+    def declare_dead(self, reason: str) -> None:
+        """Mark the worker dead (once), kill its process and tell the cluster."""
+        if not self.alive or self.stopping:
+            return
+        self.alive = False
+        self._kill()
+        if self._writer is not None:
+            self._writer.close()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        if self.proc is not None:
+            self._tasks.append(asyncio.ensure_future(self.proc.wait()))  # reap it
+        self._on_dead(self, reason)
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        reason = "connection_lost"
+        try:
+            while True:
+                frame = await read_frame(reader)
+                if frame is None:
+                    break
+                header = frame[0]
+                if header["type"] == "pong":
+                    self._on_pong(header)
+                else:
+                    self._on_frame(self, header)
+        except (WireError, OSError) as exc:
+            reason = f"connection_lost ({exc!r})"
+        self.declare_dead(reason)
+
+    def _on_pong(self, h: dict[str, Any]) -> None:
+        now = time.monotonic_ns()
+        self._last_pong_ns = now
+        self.stats = h.get("stats") or self.stats
+        if self._on_clock is not None and isinstance(h.get("t_send_ns"), int):
+            self._on_clock(ClockSample(self.name, h["t_send_ns"], h["recv_ns"], h["send_ns"], now))
+
+    async def _heartbeat(self) -> None:
+        timeout_ns = int(self.heartbeat_timeout_s * 1e9)
+        while self.alive:
+            self._ping_id += 1
+            self.send({"type": "ping", "id": self._ping_id, "t_send_ns": time.monotonic_ns()})
+            await asyncio.sleep(self.heartbeat_interval_s)
+            if time.monotonic_ns() - self._last_pong_ns > timeout_ns:
+                self.declare_dead("heartbeat_timeout")
+                return
+
+    async def _drain_stdout(self) -> None:
+        """Keep reading the worker's stdout so a chatty worker never blocks on a full pipe."""
+        stdout = self.proc.stdout if self.proc is not None else None
+        while stdout is not None and await stdout.read(65536):
+            pass

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from reference_server.serving.delays import DELAY_STAGES, DelayConfig, StageDelay, parse_duration_ns
+
+
+@pytest.mark.parametrize(("text", "expected_ns"), [
+    ("5ms", 5_000_000), ("250us", 250_000), ("1.5s", 1_500_000_000), ("7ns", 7), (" 0ms ", 0), (".5ms", 500_000),
+])
+def test_parse_duration_units(text: str, expected_ns: int) -> None:
+    assert parse_duration_ns(text) == expected_ns
+
+
+@pytest.mark.parametrize("text", ["5", "ms", "-1ms", "5 minutes", "abc", "", "2h", "4000s"])
+def test_parse_duration_rejects_bad_text(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration_ns(text)
+
+
+def test_parse_fixed_and_random_stages() -> None:
+    cfg = DelayConfig.parse("tokenize=5ms, decode_step=2ms~8ms,stream_send=250us")
+    assert cfg.stages == {
+        "tokenize": StageDelay(5_000_000, 5_000_000),
+        "decode_step": StageDelay(2_000_000, 8_000_000),
+        "stream_send": StageDelay(250_000, 250_000),
+    }
+    assert cfg.has("tokenize") and not cfg.has("route")
+    assert bool(cfg)
+
+
+@pytest.mark.parametrize("spec", [None, "", "  ", ","])
+def test_empty_spec_means_no_delays(spec: str | None) -> None:
+    cfg = DelayConfig.parse(spec)
+    assert not cfg
+    assert cfg.draw_ns("tokenize") == 0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tokenise=5ms", "unknown delay stage 'tokenise'"),
+    ("tokenize", "expected stage=DURATION"),
+    ("tokenize=5", "bad duration"),
+    ("decode_step=8ms~2ms", "greater than high"),
+    ("route=1ms,route=2ms", "twice"),
+    ("route=1ms~", "bad duration"),
+])
+def test_bad_specs_raise_clear_value_errors(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DelayConfig.parse(spec)
+
+
+def test_non_string_spec_is_rejected() -> None:
+    with pytest.raises(ValueError, match="must be a string"):
+        DelayConfig.parse(5)  # type: ignore[arg-type]
+
+
+def test_str_round_trips_through_parse() -> None:
+    cfg = DelayConfig.parse("schedule=1.5ms,kv_transfer=1ms~3ms")
+    again = DelayConfig.parse(str(cfg))
+    assert again.stages == cfg.stages
+
+
+def test_random_draws_stay_in_range_and_follow_the_seed() -> None:
+    a = DelayConfig.parse("decode_step=2ms~8ms", seed=7)
+    b = DelayConfig.parse("decode_step=2ms~8ms", seed=7)
+    draws = [a.draw_ns("decode_step") for _ in range(200)]
+    assert all(2_000_000 <= d <= 8_000_000 for d in draws)
+    assert len(set(draws)) > 100  # really random, not a constant
+    assert draws == [b.draw_ns("decode_step") for _ in range(200)]
+
+
+def test_unknown_stage_at_a_call_site_raises() -> None:
+    cfg = DelayConfig.parse("tokenize=1ms")
+    with pytest.raises(ValueError, match="unknown delay stage"):
+        cfg.draw_ns("tokenizer")
+    with pytest.raises(ValueError, match="unknown delay stage"):
+        cfg.has("nope")
+
+
+def test_every_documented_stage_parses() -> None:
+    cfg = DelayConfig.parse(",".join(f"{stage}=1us" for stage in DELAY_STAGES))
+    assert set(cfg.stages) == set(DELAY_STAGES)
+
+
+def test_delay_sync_sleeps_at_least_the_planted_length() -> None:
+    cfg = DelayConfig.parse("kv_transfer=20ms")
+    start = time.monotonic_ns()
+    drawn = cfg.delay_sync("kv_transfer")
+    elapsed = time.monotonic_ns() - start
+    assert drawn == 20_000_000
+    assert elapsed >= 20_000_000
+    assert cfg.delay_sync("route") == 0
+
+
+def test_async_delay_sleeps_at_least_the_drawn_length_without_blocking_the_loop() -> None:
+    cfg = DelayConfig.parse("route=5ms~15ms", seed=3)
+
+    async def main() -> tuple[int, int, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        start = time.monotonic_ns()
+        drawn = await cfg.delay("route")
+        elapsed = time.monotonic_ns() - start
+        task.cancel()
+        return drawn, elapsed, ticks
+
+    drawn, elapsed, ticks = asyncio.run(main())
+    assert 5_000_000 <= drawn <= 15_000_000
+    assert elapsed >= drawn
+    assert ticks > 0  # the loop kept running other tasks during the delay

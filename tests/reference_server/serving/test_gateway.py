@@ -1,0 +1,388 @@
+"""The gateway served for real (uvicorn on loopback, LocalBackend on the tiny model),
+driven by the official ``openai`` client and by httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from reference_server.engine import EngineConfig, TenantConfig
+from reference_server.serving.backend import LocalBackend
+from reference_server.serving.delays import DelayConfig
+from reference_server.serving.gateway import GatewayConfig, create_app
+from reference_server.serving.gateway_hooks import (
+    ChunkWritten, GatewayRequestFinished, RecordingGatewayObserver, RequestParsed, RequestReceived, ResponseWritten,
+    Routed, Tokenized,
+)
+from reference_server.serving.gateway_server import ServerThread, serve_in_thread
+from reference_server.serving.gateway_tenants import TenantAuth
+
+torch.set_num_threads(1)
+
+TENANTS_TOML = """
+[tenants.acme]
+api_keys = ["sk-acme"]
+weight = 2
+[tenants.batchco]
+api_keys = ["sk-batch"]
+default_slo_class = "batch"
+[tenants.edu]
+api_keys = ["sk-edu"]
+max_concurrency = 8
+"""
+KEYS = {"acme": "sk-acme", "batchco": "sk-batch", "edu": "sk-edu"}
+
+
+def engine_config(tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)) -> EngineConfig:
+    return EngineConfig(model="tiny", device="cpu", block_size=4, num_device_blocks=1024, max_num_seqs=64,
+                        max_num_batched_tokens=1024, tenants=tenants, default_tenant=tenants[0].name)
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gateway") / "tenants.toml"
+    path.write_text(TENANTS_TOML)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tenants_file: Path) -> Iterator[tuple[ServerThread, LocalBackend, RecordingGatewayObserver]]:
+    from reference_server.serving.gateway_tenants import load_tenants
+
+    tenants, _, _ = load_tenants(tenants_file)
+    backend = LocalBackend(engine_config(tuple(tenants)))
+    recorder = RecordingGatewayObserver()
+    app = create_app(backend, config=GatewayConfig(auth=TenantAuth.from_file(tenants_file)), observers=[recorder])
+    with serve_in_thread(app) as server:
+        yield server, backend, recorder
+
+
+@pytest.fixture()
+def server(served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> ServerThread:
+    return served[0]
+
+
+def client(server: ServerThread, tenant: str = "acme") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60)
+
+
+def data_events(raw: str) -> list[str]:
+    return [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
+
+
+def wait_for(predicate, *, timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` (state changed on the server's threads) until true or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+# ---------------------------------------------------------------------- the openai client
+
+
+def test_openai_completions_streaming_matches_non_streaming(server: ServerThread) -> None:
+    c = client(server)
+    whole = c.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert whole.object == "text_completion"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens == len("Hello there") + 1  # byte tokenizer plus BOS
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    chunks = list(c.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    assert len(chunks) == 12  # one chunk per token
+    assert all(ch.id == chunks[0].id for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * 11 + ["length"]
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text  # greedy: same tokens
+
+
+def test_openai_chat_streaming_with_include_usage(server: ServerThread) -> None:
+    stream = client(server, "edu").chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"}],
+        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    token_chunks, final = chunks[:-1], chunks[-1]
+    assert len(token_chunks) == 6
+    assert token_chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.usage is None for ch in token_chunks)
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert final.choices == [] and final.usage.completion_tokens == 6
+    assert final.usage.prompt_tokens > 6
+
+
+def test_openai_chat_non_streaming(server: ServerThread) -> None:
+    resp = client(server, "batchco").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_completion_tokens=5, temperature=0.8,
+        seed=11, extra_body={"ignore_eos": True})
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.completion_tokens == 5
+    again = client(server, "batchco").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_completion_tokens=5, temperature=0.8,
+        seed=11, extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == resp.choices[0].message.content  # seeded sampling repeats
+
+
+def test_models_endpoint_lists_the_backend_model(server: ServerThread) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_unknown_or_missing_api_key_is_401(server: ServerThread) -> None:
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="x", max_tokens=2)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------------- load, ids, SLO classes
+
+
+def test_fifty_concurrent_streams_across_three_tenants(server: ServerThread) -> None:
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, int, list[str]]:
+        tenant = ("acme", "batchco", "edu")[i % 3]
+        max_tokens = 3 + i % 7
+        body = {"model": "tiny", "prompt": f"request number {i}", "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}", "X-Request-Id": f"load-{i}"}
+        async with http.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["x-request-id"] == f"load-{i}"
+            raw = (await resp.aread()).decode()
+        return f"load-{i}", max_tokens, data_events(raw)
+
+    async def main() -> list[tuple[str, int, list[str]]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=60)) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(50)))
+
+    results = asyncio.run(main())
+    assert len(results) == 50
+    for request_id, max_tokens, events in results:
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert len(chunks) == max_tokens
+        assert {ch["id"] for ch in chunks} == {request_id}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_slo_class_from_header_body_and_tenant_default(
+        served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> None:
+    server, _, recorder = served
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    cases = [("slo-hdr", "sk-acme", {"X-SLO-Class": "batch"}, {}, "batch"),
+             ("slo-body", "sk-acme", {}, {"slo_class": "batch"}, "batch"),
+             ("slo-tenant", "sk-batch", {}, {}, "batch"),
+             ("slo-default", "sk-acme", {}, {}, "interactive")]
+    for request_id, key, headers, extra, _ in cases:
+        r = httpx.post(server.url + "/v1/completions", json={**body, **extra},
+                       headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id, **headers})
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == request_id
+    parsed = {e.request_id: e for e in recorder.of_type(RequestParsed)}
+    for request_id, _, _, _, expected in cases:
+        assert parsed[request_id].slo_class == expected
+    r = httpx.post(server.url + "/v1/completions", json=body,
+                   headers={"Authorization": "Bearer sk-acme", "X-SLO-Class": "platinum"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "slo_class"
+
+
+def test_invalid_client_request_id_is_replaced(server: ServerThread) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                   headers={"Authorization": "Bearer sk-acme", "X-Request-Id": "bad id with spaces"})
+    assert r.status_code == 200
+    assert r.json()["id"].startswith("cmpl-") and r.headers["x-request-id"] == r.json()["id"]
+
+
+# ---------------------------------------------------------------------- disconnects
+
+
+def _device_blocks_free(backend: LocalBackend) -> bool:
+    inst = backend.stats().instances[0]
+    return inst.num_blocks_used[0] == 0 and inst.num_running == 0 and inst.num_waiting == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(
+        served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> None:
+    server, backend, recorder = served
+    ids = [f"leave-{i}" for i in range(4)]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for request_id in ids:
+            body = {"model": "tiny", "prompt": "a long story " * 4, "max_tokens": 400, "stream": True,
+                    "ignore_eos": True, "temperature": 0}
+            headers = {"Authorization": "Bearer sk-edu", "X-Request-Id": request_id}
+            with http.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+                got: list[str] = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        got.append(line)
+                    if len(got) == 3:
+                        break
+                assert backend.stats().instances[0].num_blocks_used[0] > 0  # the request holds blocks now
+            # leaving the block closes the connection mid-stream
+    assert wait_for(lambda: _device_blocks_free(backend))
+    assert wait_for(lambda: {e.request_id for e in recorder.of_type(GatewayRequestFinished)} >= set(ids))
+    finished = {e.request_id: e for e in recorder.of_type(GatewayRequestFinished)}
+    for request_id in ids:
+        assert finished[request_id].outcome == "aborted"
+        assert 3 <= finished[request_id].num_output_tokens < 400
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_answer() -> None:
+    # A planted decode delay keeps the answer from finishing before the client gives up.
+    backend = LocalBackend(engine_config(), delays=DelayConfig.parse("decode_step=5ms"))
+    recorder = RecordingGatewayObserver()
+    body = {"model": "tiny", "prompt": "wait for me", "max_tokens": 200, "ignore_eos": True}
+    with serve_in_thread(create_app(backend, observers=[recorder])) as server:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.2, headers={"X-Request-Id": "impatient"})
+        assert wait_for(lambda: bool(recorder.of_type(GatewayRequestFinished)))
+        event = recorder.of_type(GatewayRequestFinished)[0]
+        assert event.request_id == "impatient"
+        assert event.outcome == "aborted" and event.status == 0 and event.num_output_tokens < 200
+        assert wait_for(lambda: _device_blocks_free(backend))
+
+
+# ---------------------------------------------------------------------- metrics, health, hooks
+
+
+def test_metrics_expose_latency_histograms_and_backend_state(server: ServerThread) -> None:
+    client(server).completions.create(model="tiny", prompt="metrics", max_tokens=4, stream=False,
+                                      extra_body={"ignore_eos": True})
+    text = httpx.get(server.url + "/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+
+    def total(prefix: str) -> float:
+        return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+    assert total("gen_ai_server_time_to_first_token_seconds_count") > 0
+    assert total("gen_ai_server_time_per_output_token_seconds_count") > 0
+    assert total("gen_ai_server_request_duration_seconds_count") > 0
+    assert total('gateway_requests_total{endpoint="/v1/completions",outcome="length",status="200"}') > 0
+    assert 'reference_server_kv_blocks_used{instance="colocated-0",role="colocated",tier="device"}' in samples
+    assert samples['reference_server_kv_blocks_total{instance="colocated-0",role="colocated",tier="device"}'] == 1024
+    assert samples['reference_server_instance_up{instance="colocated-0",role="colocated"}'] == 1
+    assert total("reference_server_prefix_cache_query_tokens_total") > 0
+    assert "reference_server_num_requests_waiting" in text
+    assert "reference_server_kv_transfer_sent_bytes_total" in text
+    assert 'tenant="acme"' in text
+
+
+def test_health_reports_instances(server: ServerThread) -> None:
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["instances"][0]["name"] == "colocated-0" and body["instances"][0]["alive"] is True
+
+
+def test_observers_see_a_request_in_order(served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]
+                                          ) -> None:
+    server, _, recorder = served
+    list(client(server).completions.create(model="tiny", prompt="hooks", max_tokens=5, stream=True,
+                                           extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "hk-1"}))
+    assert wait_for(lambda: any(isinstance(e, GatewayRequestFinished) for e in recorder.for_request("hk-1")))
+    events = recorder.for_request("hk-1")
+    kinds = [type(e) for e in events]
+    assert kinds == [RequestReceived, RequestParsed, Tokenized, Routed] + [ChunkWritten] * 5 + [
+        GatewayRequestFinished]
+    received, parsed, tokenized, routed, *chunks, finished = events
+    assert received.tenant == "acme" and received.path == "/v1/completions"
+    assert received.t_ns <= parsed.t_ns <= tokenized.start_ns <= tokenized.end_ns <= routed.start_ns
+    assert routed.start_ns <= routed.end_ns <= chunks[0].received_ns and routed.instance == "colocated-0"
+    assert tokenized.num_prompt_tokens == len("hooks") + 1
+    assert [c.index for c in chunks] == list(range(5))
+    for prev, chunk in zip([None, *chunks], chunks):
+        assert chunk.received_ns <= chunk.detok_start_ns <= chunk.detok_end_ns <= chunk.write_start_ns
+        assert chunk.write_start_ns <= chunk.write_end_ns
+        assert prev is None or prev.write_end_ns <= chunk.received_ns
+    assert finished.outcome == "length" and finished.status == 200 and finished.num_output_tokens == 5
+
+
+def test_non_streaming_request_fires_response_written(
+        served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> None:
+    server, _, recorder = served
+    client(server).completions.create(model="tiny", prompt="x", max_tokens=2, extra_headers={"X-Request-Id": "nw"})
+    assert wait_for(lambda: any(isinstance(e, GatewayRequestFinished) for e in recorder.for_request("nw")))
+    kinds = [type(e) for e in recorder.for_request("nw")]
+    assert kinds == [RequestReceived, RequestParsed, Tokenized, Routed, ResponseWritten, GatewayRequestFinished]
+
+
+def test_observer_errors_are_counted_not_raised(served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]
+                                                ) -> None:
+    server = served[0]
+
+    class Broken:
+        def on_tokenized(self, event: Tokenized) -> None:
+            raise RuntimeError("boom")
+
+    gateway = server.server.config.app.state.gateway
+    broken = Broken()
+    gateway.add_observer(broken)
+    try:
+        resp = client(server).completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert resp.usage.completion_tokens >= 1
+        assert gateway.hooks.num_observer_errors >= 1
+    finally:
+        gateway.remove_observer(broken)
+
+
+# ---------------------------------------------------------------------- delays, 503
+
+
+def test_planted_delays_show_up_in_their_hook_intervals() -> None:
+    delays = DelayConfig.parse("tokenize=40ms,route=25ms,detokenize=3ms,stream_send=6ms")
+    recorder = RecordingGatewayObserver()
+    app = create_app(LocalBackend(engine_config()), config=GatewayConfig(delays=delays), observers=[recorder])
+    with serve_in_thread(app) as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "slow"},
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True, "ignore_eos": True})
+        assert r.status_code == 200
+    tokenized = recorder.of_type(Tokenized)[0]
+    routed = recorder.of_type(Routed)[0]
+    chunks = recorder.of_type(ChunkWritten)
+    assert tokenized.end_ns - tokenized.start_ns >= 40_000_000
+    assert routed.end_ns - routed.start_ns >= 25_000_000
+    assert len(chunks) == 3
+    assert all(c.detok_end_ns - c.detok_start_ns >= 3_000_000 for c in chunks)
+    assert all(c.write_end_ns - c.write_start_ns >= 6_000_000 for c in chunks)
+
+
+def test_backend_without_live_workers_gives_503() -> None:
+    backend = LocalBackend(engine_config())
+    app = create_app(backend, manage_backend=False)  # never started: no live instance
+    with serve_in_thread(app) as server:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["missing_roles"] == ["colocated"]
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True})
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "service_unavailable"
+    backend.engine.close()
+
+
+def test_long_prompt_is_tokenized_off_the_loop_and_checked(server: ServerThread) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "q" * 40_000},
+                   headers={"Authorization": "Bearer sk-acme"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "40001 tokens" in r.json()["error"]["message"]  # 40 000 bytes plus BOS

@@ -1,0 +1,113 @@
+"""``python -m reference_server`` as a subprocess: serves, streams to the openai client,
+and SIGTERM stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[3]
+
+
+def children_of(pid: int) -> set[int]:
+    """Direct child processes of ``pid`` (from /proc)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.add(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_sent_kv_bytes(url: str, timeout_s: float = 10.0) -> float:
+    """The KV transfer bytes-sent counter of /metrics, once it is non-zero (or at the timeout)."""
+    deadline, total = time.monotonic() + timeout_s, 0.0
+    while time.monotonic() < deadline:
+        lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        sent = [ln for ln in lines if "transfer" in ln and "sent" in ln and not ln.startswith("#")]
+        total = sum(float(ln.rsplit(" ", 1)[1]) for ln in sent if "_created" not in ln)
+        if total > 0:
+            break
+        time.sleep(0.2)
+    return total
+
+
+def launch(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "reference_server", "--port", "0", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # READY http://127.0.0.1:PORT, or EOF if it failed
+    if not line.startswith("READY "):
+        proc.kill()
+        raise AssertionError(f"launcher did not start: {line!r} {proc.stderr.read()}")
+    return proc, line.split()[1]
+
+
+def test_disagg_stack_serves_the_openai_client_and_stops_on_sigterm():
+    proc, url = launch("--mode", "disagg", "--prefill", "1", "--decode", "1", "--block-size", "16",
+                       "--router", "load")
+    try:
+        workers = children_of(proc.pid)
+        assert len(workers) == 2
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert sorted(i["role"] for i in health["instances"]) == ["decode", "prefill"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30)
+        chunks = list(client.completions.create(model="tiny", prompt="Launch the stack.", max_tokens=9,
+                                                temperature=0, stream=True))
+        assert sum(1 for c in chunks if c.choices) == 9
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert wait_for_sent_kv_bytes(url) > 0  # worker stats arrive with the next heartbeat
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    assert rc in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in workers)
+
+
+def test_workers_exit_when_the_launcher_is_killed():
+    proc, _ = launch("--mode", "colocated", "--instances", "1")
+    workers = children_of(proc.pid)
+    assert len(workers) == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in workers)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "random"], "unknown router policy"),
+    (["--delay", "nowhere=5ms"], "unknown delay stage"),
+    (["--num-device-blocks", "0"], "num_device_blocks"),
+])
+def test_bad_options_exit_2_with_a_message(args, message):
+    done = subprocess.run([sys.executable, "-m", "reference_server", "--port", "0", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,67 @@
+"""``bench_command`` through typer: options, output formats, exit codes, scaling printout.
+
+(Named test_bench_cli.py, not test_cli.py: tests/ has no __init__.py files, so test
+module basenames must be unique and tests/tokentrace/test_cli.py exists.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from typer.testing import CliRunner
+
+from tokentrace.bench.cli import EXIT_FAILED_REQUESTS, EXIT_USAGE, bench_command
+from tokentrace.store import open_run
+
+app = typer.Typer()
+app.command()(bench_command)
+runner = CliRunner()
+
+BASE = ["--max-requests", "6", "--input-len", "fixed:8", "--output-len", "fixed:3", "--duration", "20"]
+
+
+def test_json_output_with_vllm_names_and_model_from_the_server(fake_url):
+    r = runner.invoke(app, ["--url", fake_url, "--output", "json", "--endpoint", "chat", "--slo", "ttft=5s",
+                            *BASE])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["completed"] == 6 and d["total_output_tokens"] == 18 and d["model"] == "ok"
+    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "p90_e2el_ms", "request_goodput",
+                "output_throughput", "total_token_throughput"):
+        assert key in d
+    assert d["request_goodput"] > 0
+
+
+def test_trace_scaling_is_printed_and_recorded(fake_url, tmp_path):
+    r = runner.invoke(app, ["--url", fake_url, "--workload", "azure-code", "--time-scale", "0.01",
+                            "--length-scale", "0.01", "--arrival", "trace", "--max-requests", "4",
+                            "--store", str(tmp_path), "--run", "cli-run"])
+    assert r.exit_code == 0, r.output
+    assert "first 4 of 8819 requests, arrival times x0.01, lengths x0.01" in r.stdout
+    assert "Successful requests:" in r.stdout and "cli-run" in r.stdout
+    scaling = open_run(tmp_path, "cli-run").manifest["config"]["bench"]["scaling"]
+    assert scaling["time_scale"] == 0.01 and scaling["num_requests_in_file"] == 8819
+
+
+def test_failures_exit_non_zero_only_with_fail_on_error(fake_url):
+    plain = runner.invoke(app, ["--url", fake_url, "--model", "http500", *BASE])
+    assert plain.exit_code == 0 and "http_5xx:" in plain.stdout
+    strict = runner.invoke(app, ["--url", fake_url, "--model", "cut", "--fail-on-error", *BASE])
+    assert strict.exit_code == EXIT_FAILED_REQUESTS and "stream_cut:" in strict.stdout
+    clean = runner.invoke(app, ["--url", fake_url, "--model", "ok", "--fail-on-error", *BASE])
+    assert clean.exit_code == 0
+
+
+def test_server_down_completes_and_counts(dead_url):
+    r = runner.invoke(app, ["--url", dead_url, "--model", "m", "--output", "json", *BASE])
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["failures"]["connect"] == 6
+
+
+def test_bad_input_is_one_sentence_and_exit_2(fake_url):
+    for args in (["--workload", "nope"], ["--tenants", "acme"], ["--slo", "ttft=fast"], ["--arrival", "zipf"],
+                 ["--input-len", "normal:3"], ["--output", "xml"], ["--endpoint", "embeddings"]):
+        r = runner.invoke(app, ["--url", fake_url, *args])
+        assert r.exit_code == EXIT_USAGE, args
+        assert r.stderr.startswith("error: ") and "Traceback" not in r.output

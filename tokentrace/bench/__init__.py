@@ -1,0 +1,24 @@
+"""``tokentrace bench``: a load generator for OpenAI-compatible servers that is also
+an independent witness of their latency.
+
+It drives a server with synthetic or replayed real-trace workloads (open-loop
+arrivals or closed-loop concurrency, tenants and SLO classes), times every
+streamed chunk on arrival with ``time.monotonic_ns()``, records its view into a
+tokentrace store as instance role ``client``, and prints a summary with the
+metric names and definitions of ``vllm bench serve``.
+
+Modules, one responsibility each:
+
+* :mod:`~tokentrace.bench.arrivals`: when requests are sent (Poisson, gamma, constant, trace).
+* :mod:`~tokentrace.bench.synthetic`: synthetic prompt/output length distributions and shared system prompts.
+* :mod:`~tokentrace.bench.requests`: the request values passed between the parts.
+* :mod:`~tokentrace.bench.plan`: the list of requests to send (workload x arrivals x tenants x SLO classes).
+* :mod:`~tokentrace.bench.prefix`: the best prefix-cache hits a server can get on a Mooncake replay.
+* :mod:`~tokentrace.bench.client`: one streamed request over httpx, timed per SSE chunk, failures classified.
+* :mod:`~tokentrace.bench.runner`: the bounded run loop and the store records.
+* :mod:`~tokentrace.bench.progress`: live progress with rich.
+* :mod:`~tokentrace.bench.summary`: the final summary (``vllm bench serve`` names), text or JSON.
+* :mod:`~tokentrace.bench.cli`: ``bench_command``, the typer command the CLI registers as ``tokentrace bench``.
+
+Nothing is imported here, so ``import tokentrace.bench.arrivals`` does not pull in httpx.
+"""
