@@ -63,6 +63,9 @@ class TokenEvent:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from a prefix cache (by the prefill instance)
     instance: str  # name of the worker that produced it, e.g. "decode-0"
+    # Hand-over times on ``instance``'s monotonic clock (-1 = not reported, e.g. in-process):
+    emitted_ns: int = -1  # the worker's engine handed the token out
+    accepted_ns: int = -1  # first token of an attempt only: the worker took the generate request
 
 
 class BackendUnavailable(RuntimeError):

@@ -25,7 +25,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reference_server.engine import EngineConfig
@@ -306,11 +306,11 @@ class ClusterBackend:
         if handle.name == st.prefill or self.mode == "colocated" or index == 0:
             st.num_cached_tokens = max(st.num_cached_tokens, int(h["num_cached_tokens"]))
         st.pending[index] = TokenEvent(index, int(h["token_id"]), h["text"], h["finish_reason"],
-                                       len(st.req.prompt_token_ids), 0, handle.name)
+                                       len(st.req.prompt_token_ids), 0, handle.name,
+                                       int(h.get("emitted_ns", -1)), int(h.get("accepted_ns", -1)))
         while st.next_index in st.pending:
             ev = st.pending.pop(st.next_index)
-            ev = TokenEvent(ev.index, ev.token_id, ev.text, ev.finish_reason, ev.num_prompt_tokens,
-                            st.num_cached_tokens, ev.instance)
+            ev = replace(ev, num_cached_tokens=st.num_cached_tokens)
             st.next_index += 1
             st.delivered.append(ev.token_id)
             st.queue.put_nowait(ev)

@@ -77,6 +77,7 @@ class Routed:
     start_ns: int
     end_ns: int
     instance: str
+    accepted_ns: int = -1  # when ``instance`` took the request, on ITS clock (-1 = not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ class ChunkWritten:
     write_start_ns: int
     write_end_ns: int
     num_bytes: int  # bytes of the SSE event
+    emitted_ns: int = -1  # the worker's engine handed the token out, on ``instance``'s clock (-1 = n/a)
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,7 +114,7 @@ class GenerationResponse:
                 await self._send_error_response(send, error_for_backend_failure(exc))
                 return
             received_ns = time.monotonic_ns()
-            self._emit_routed(received_ns, first.instance if first else "")
+            self._emit_routed(received_ns, first.instance if first else "", first.accepted_ns if first else -1)
             if first is None:
                 await self._send_error_response(send, OpenAIError(
                     500, "the backend ended the stream without a token", type="server_error"))
@@ -181,7 +181,7 @@ class GenerationResponse:
         if gw.hooks.observers:
             gw.hooks.emit("on_chunk_written", ChunkWritten(
                 ctx.request_id, event.index, event.token_id, event.instance, received_ns, detok_start_ns,
-                detok_end_ns, write_start_ns, write_end_ns, len(data)))
+                detok_end_ns, write_start_ns, write_end_ns, len(data), event.emitted_ns))
 
     # ------------------------------------------------------------------ one JSON answer
 
@@ -236,7 +236,7 @@ class GenerationResponse:
         num_prompt = first.num_prompt_tokens if first else self.ctx.num_prompt_tokens
         return usage(num_prompt, self.progress.num_output_tokens, first.num_cached_tokens if first else 0)
 
-    def _emit_routed(self, fallback_end_ns: int, fallback_instance: str) -> None:
+    def _emit_routed(self, fallback_end_ns: int, fallback_instance: str, accepted_ns: int = -1) -> None:
         """Fire ``on_routed`` once: the backend's own route decision when it reported one
         (its end is when it handed the request over), else up to the first token."""
         decision = self.gateway.route_listener.decision(self.ctx.request_id)
@@ -244,7 +244,8 @@ class GenerationResponse:
         if not self.gateway.hooks.observers:
             return
         end_ns, instance = decision if decision is not None else (fallback_end_ns, fallback_instance)
-        self.gateway.hooks.emit("on_routed", Routed(self.ctx.request_id, self.ctx.route_start_ns, end_ns, instance))
+        self.gateway.hooks.emit("on_routed", Routed(self.ctx.request_id, self.ctx.route_start_ns, end_ns, instance,
+                                                    accepted_ns))
 
     async def _send_error_response(self, send: Any, err: OpenAIError) -> None:
         self.progress.error = err

@@ -63,7 +63,8 @@ class _ControllerSink:
         self.worker, self.wid = worker, wid
 
     def on_output(self, output: RequestOutput) -> None:
-        self.worker._threadsafe(self.worker._send_token, self.wid, output)
+        # Stamped on the engine thread right after the step, before the hop to the event loop.
+        self.worker._threadsafe(self.worker._send_token, self.wid, output, time.monotonic_ns())
 
     def on_handoff(self, state: PrefilledKV) -> None:
         self.worker._threadsafe(self.worker._start_push, self.wid, state)
@@ -113,6 +114,7 @@ class Worker:
         self.receiver = KVReceiver(instance=name, on_complete=self._on_kv_complete, observers=self.observers)
         self._controller: asyncio.StreamWriter | None = None
         self._requests: dict[str, dict[str, Any]] = {}  # wid -> its generate header (prefill role needs it)
+        self._accepted: dict[str, int] = {}  # wid -> when its generate frame was taken (until its first token)
         self._pushes: dict[str, asyncio.Task] = {}
         self._tombstones: dict[str, int] = {}  # aborted wid -> monotonic ns
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -232,10 +234,12 @@ class Worker:
         if handoff:
             self._requests[wid] = h
         resume_tokens = h.get("resume_tokens") or ()
+        accepted_ns = time.monotonic_ns()
+        self._accepted[wid] = accepted_ns
         if self.observers:
             self.observers.emit("on_worker_request_received", WorkerRequestReceived(
                 seq.request_id, self.name, wid, "generate", len(resume_tokens), h.get("traceparent"),
-                time.monotonic_ns()))
+                accepted_ns))
         self.engine_loop.submit(seq, _ControllerSink(self, wid), resume_tokens=resume_tokens, handoff=handoff)
 
     def _abort(self, wid: str, request_id: str) -> None:
@@ -243,21 +247,26 @@ class Worker:
         self._tombstones = {w: t for w, t in self._tombstones.items() if now - t < _TOMBSTONE_TTL_NS}
         self._tombstones[wid] = now
         self._requests.pop(wid, None)
+        self._accepted.pop(wid, None)
         task = self._pushes.pop(wid, None)
         if task is not None:
             task.cancel()
         self.receiver.discard({wid})
         self.engine_loop.abort(request_id)
 
-    def _send_token(self, wid: str, out: RequestOutput) -> None:
+    def _send_token(self, wid: str, out: RequestOutput, emitted_ns: int = -1) -> None:
         if out.finished:
             self._requests.pop(wid, None)
+        # The first token frame of an attempt carries when this worker accepted it.
+        accepted_ns = self._accepted.pop(wid, -1)
         self._send({"type": "token", "wid": wid, "index": out.token_index, "token_id": out.token_id,
                     "text": out.text_delta, "finish_reason": out.finish_reason,
-                    "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens})
+                    "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
+                    "emitted_ns": emitted_ns, "accepted_ns": accepted_ns})
 
     def _send_error(self, wid: str, kind: str, message: str) -> None:
         self._requests.pop(wid, None)
+        self._accepted.pop(wid, None)
         self._send({"type": "error", "wid": wid, "kind": kind, "message": message})
 
     def _start_push(self, wid: str, state: PrefilledKV) -> None:
