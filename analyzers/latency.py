@@ -6,7 +6,9 @@
 * ITL (inter-token latency) = t_i - t_{i-1} for every token i >= 1 of every request.
 * E2E (end-to-end latency) = finish - arrival (last token time when no finish was recorded).
 
-Times as in :mod:`analyzers.timing`. Results in milliseconds.
+Times as in :mod:`analyzers.timing`. Results in milliseconds; percentiles are
+linear-interpolated (numpy's default). Computed in DuckDB over the run's files,
+so only the result rows reach memory.
 """
 
 from __future__ import annotations
@@ -15,43 +17,84 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from analyzers.timing import LATENCY, request_facts, token_intervals
+from analyzers.groups import PERCENTILES, group_column, group_sql, pct_name, percentile_or_nan
+from analyzers.source import Source
+from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
 from tokentrace.schema import col
 
-__all__ = ["PERCENTILES", "latency_samples", "latency_summary", "summarize"]
+__all__ = ["PERCENTILES", "METRICS", "latency", "latency_samples", "latency_summary", "summarize"]
 
-PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e")
 
 
+def latency(src: Source, *, by: str | None = None, window_s: float | None = None,
+            percentiles: tuple[float, ...] = PERCENTILES) -> pd.DataFrame:
+    """Count, mean and percentiles (ms) per metric, overall or per group.
+
+    ``by``: ``"tenant"``, ``"slo_class"`` or ``"instance"``; ``window_s``: arrival
+    time windows of that many seconds. Columns: [group column], metric, count,
+    mean_ms, p50_ms, p90_ms, p99_ms, p99.9_ms. Every group has the four metric
+    rows (count 0 and NaN where a metric has no samples). ``ValueError`` on a bad grouping.
+    """
+    gcol = group_column(by, window_s)
+    rf, tt = request_table(src), token_times(src)
+    bounds = run_bounds(src) if window_s is not None else None
+    g = group_sql(by, window_s, alias="f", start_ns=bounds[0] if bounds else 0)
+    qs = ", ".join(str(p / 100) for p in percentiles)
+    c = col
+    df = src.df(f"""
+        WITH f AS (SELECT f.*, {g} AS grp FROM {rf} f WHERE f.{c.FIRST_TOKEN_NS} IS NOT NULL),
+        s AS (
+            SELECT grp, 'ttft' AS metric, {TTFT_NS} / 1e6 AS v FROM f
+            UNION ALL SELECT grp, 'tpot', {TPOT_NS} / 1e6 FROM f WHERE {TPOT_NS} IS NOT NULL
+            UNION ALL SELECT f.grp, 'itl', t.{LATENCY} / 1e6 FROM {tt} t JOIN f USING ({c.REQUEST_ID})
+                      WHERE t.{c.TOKEN_INDEX} > 0
+            UNION ALL SELECT grp, 'e2e', {E2E_NS} / 1e6 FROM f
+        )
+        SELECT grp, metric, COUNT(*) AS count, AVG(v) AS mean_ms, quantile_cont(v, [{qs}]) AS q
+        FROM s GROUP BY grp, metric
+    """)
+    groups = sorted(df["grp"].unique().tolist()) if gcol is not None else [0]
+    rows = []
+    for grp in groups:
+        for metric in METRICS:
+            hit = df[(df["grp"] == grp) & (df["metric"] == metric)]
+            row: dict[str, object] = {} if gcol is None else {gcol: grp}
+            row["metric"] = metric
+            if len(hit):
+                r = hit.iloc[0]
+                row.update(count=int(r["count"]), mean_ms=float(r["mean_ms"]))
+                row.update({pct_name(p): float(q) for p, q in zip(percentiles, r["q"])})
+            else:
+                row.update(count=0, mean_ms=float("nan"))
+                row.update({pct_name(p): float("nan") for p in percentiles})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def latency_samples(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> dict[str, np.ndarray]:
-    """Raw samples in ms per metric (ttft, tpot, e2e per request; itl per token)."""
-    facts = request_facts(requests, tokens, instances)
-    ti = token_intervals(requests, tokens, instances)
-    f = facts[facts[col.FIRST_TOKEN_NS].notna()]
-    ttft = (f[col.FIRST_TOKEN_NS] - f[col.ARRIVAL_NS]) / 1e6
-    multi = f[f[col.NUM_OUTPUT_TOKENS] > 1]
-    tpot = (multi["last_token_ns"] - multi[col.FIRST_TOKEN_NS]) / (multi[col.NUM_OUTPUT_TOKENS] - 1) / 1e6
-    end = f[col.FINISH_NS].where(f[col.FINISH_NS].notna(), f["last_token_ns"])
-    e2e = (end - f[col.ARRIVAL_NS]) / 1e6
-    itl = ti.loc[ti[col.TOKEN_INDEX] > 0, LATENCY] / 1e6
-    return {name: np.asarray(v, dtype=float) for name, v in
-            (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e))}
+    """Raw samples in ms per metric (ttft, tpot, e2e per request; itl per token); small tables only."""
+    src = Source.of_tables(requests=requests, tokens=tokens, instances=instances)
+    rf, tt = request_table(src), token_times(src)
+    f = src.df(f"SELECT {TTFT_NS}, {TPOT_NS}, {E2E_NS} FROM {rf} WHERE {col.FIRST_TOKEN_NS} IS NOT NULL")
+    itl = src.df(f"SELECT {LATENCY} FROM {tt} WHERE {col.TOKEN_INDEX} > 0")[LATENCY]
+    return {"ttft": (f[TTFT_NS] / 1e6).to_numpy(float), "tpot": (f[TPOT_NS].dropna() / 1e6).to_numpy(float),
+            "itl": (itl / 1e6).to_numpy(float), "e2e": (f[E2E_NS] / 1e6).to_numpy(float)}
 
 
 def summarize(samples: dict[str, np.ndarray], percentiles: tuple[float, ...] = PERCENTILES) -> pd.DataFrame:
-    """Count, mean and percentiles per metric; NaN where a metric has no samples."""
+    """Count, mean and percentiles per metric from raw samples; NaN where a metric has no samples."""
     rows = []
     for name in METRICS:
-        v = samples.get(name, np.empty(0))
+        v = np.asarray(samples.get(name, np.empty(0)), dtype=float)
         row: dict[str, float | str | int] = {"metric": name, "count": int(v.size),
                                              "mean_ms": float(v.mean()) if v.size else float("nan")}
         for p in percentiles:
-            row[f"p{p:g}_ms"] = float(np.percentile(v, p)) if v.size else float("nan")
+            row[pct_name(p)] = percentile_or_nan(v, p)
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def latency_summary(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
     """One row per metric (ttft, tpot, itl, e2e): count, mean and p50/p90/p99/p99.9 in ms."""
-    return summarize(latency_samples(requests, tokens, instances))
+    return latency(Source.of_tables(requests=requests, tokens=tokens, instances=instances))

@@ -6,41 +6,192 @@ is the sum of the durations of its spans (``spans.token_index`` = the token);
 
 * ``ttft_share(s)``  = sum over requests of s's time in token 0 / sum of TTFTs.
 * ``itl_share(s)``   = the same over tokens i >= 1 and their ITLs.
-* ``*_tail_share(s)`` = the same ratio over the slowest 1% of those tokens (at
-  least one token): what the tail spent its time on.
+* ``*_tail_share(s)`` = the same ratio over the slowest 1% of those tokens
+  (ceil(1% of n), at least one token): what the tail spent its time on.
 * ``*_mean_ms(s)``   = s's time per token, averaged over all tokens of the kind.
+
+The aggregation runs in DuckDB as one pass over the spans (joined to the
+per-token facts), so it streams over stores bigger than memory.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from analyzers.align import align
-from analyzers.timing import LATENCY, connect, token_intervals
-from tokentrace.schema import SPANS, UNATTRIBUTED_LABEL, Stage, col
+from analyzers.groups import group_column, group_sql
+from analyzers.source import Source
+from analyzers.timing import LATENCY, request_table, run_bounds, token_intervals, token_times
+from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
 
-__all__ = ["token_stage_times", "stage_breakdown", "unattributed_share"]
+__all__ = ["TAIL_FRACTION", "STAGE_LABELS", "breakdown", "unattributed", "token_stage_times", "stage_breakdown",
+           "unattributed_share"]
 
 TAIL_FRACTION = 0.01
+STAGE_LABELS: list[str] = [s.label for s in Stage] + [UNATTRIBUTED_LABEL]
+"""Row order of a breakdown: every stage in schema order, then ``unattributed``."""
+_KINDS = ("ttft", "itl")
+
+
+def _materialize_tokens(src: Source, g: str, tail_fraction: float) -> None:
+    """Temp tables ``bd_tok`` (every delivered token: request, index, latency, first?, group) and
+    ``bd_tail`` (the slowest ceil(tail_fraction * n) tokens of each (group, kind))."""
+    c = col
+    tt = token_times(src)
+    if g == "0":
+        source = f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {LATENCY} AS lat, 0 AS grp FROM {tt}"
+    else:
+        source = (f"SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat, {g} AS grp "
+                  f"FROM {tt} t JOIN {request_table(src)} f USING ({c.REQUEST_ID})")
+    src.con.execute(f"CREATE OR REPLACE TEMP TABLE bd_tok AS SELECT *, {c.TOKEN_INDEX} = 0 AS first FROM ({source})")
+    # Candidates first (>= a quantile that keeps at least twice the tail), then the exact top k:
+    # ranking only the candidates avoids sorting every token.
+    q = max(0.0, 1.0 - 2.0 * tail_fraction)
+    src.con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE bd_tail AS
+        WITH q AS (SELECT grp, first, COUNT(*) AS n, quantile_disc(lat, {q}) AS cut FROM bd_tok GROUP BY grp, first)
+        SELECT b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}, b.grp, b.first, b.lat
+        FROM bd_tok b JOIN q ON b.grp IS NOT DISTINCT FROM q.grp AND b.first = q.first
+        WHERE b.lat >= q.cut
+        QUALIFY ROW_NUMBER() OVER (PARTITION BY b.grp, b.first ORDER BY b.lat DESC, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX})
+                <= GREATEST(1, CEIL(q.n * {tail_fraction}))
+    """)
+
+
+def _stage_sums(src: Source) -> pd.DataFrame:
+    """Per (group, kind, stage): summed span time of the delivered tokens and of the tail tokens.
+
+    Spans are matched to delivered tokens through a per-request index range when the
+    request's delivered tokens are contiguous (the usual case: one hash join on the request
+    id, with the request's tail token indexes carried along as a short list), and token by
+    token for the other requests.
+    """
+    c = col
+    dur = f"s.{c.END_NS} - s.{c.START_NS}"
+    kind = f"CASE WHEN s.{c.TOKEN_INDEX} = 0 THEN 'ttft' ELSE 'itl' END"
+    return src.df(f"""
+        WITH tails AS (
+            SELECT {c.REQUEST_ID}, list({c.TOKEN_INDEX}) AS tail_idx FROM bd_tail GROUP BY {c.REQUEST_ID}
+        ), rng AS (
+            SELECT k.{c.REQUEST_ID}, MIN(k.{c.TOKEN_INDEX}) AS lo, MAX(k.{c.TOKEN_INDEX}) AS hi, COUNT(*) AS n,
+                   ANY_VALUE(k.grp) AS grp, ANY_VALUE(t.tail_idx) AS tail_idx
+            FROM bd_tok k LEFT JOIN tails t USING ({c.REQUEST_ID}) GROUP BY k.{c.REQUEST_ID}
+        ), contiguous AS (
+            SELECT r.grp, {kind} AS kind, s.{c.STAGE} AS stage, SUM({dur})::DOUBLE AS ns,
+                   SUM(CASE WHEN r.tail_idx IS NOT NULL AND list_contains(r.tail_idx, s.{c.TOKEN_INDEX})
+                            THEN {dur} ELSE 0 END)::DOUBLE AS tail_ns
+            FROM srv_spans s JOIN rng r ON s.{c.REQUEST_ID} = r.{c.REQUEST_ID}
+            WHERE r.n = r.hi - r.lo + 1 AND s.{c.TOKEN_INDEX} BETWEEN r.lo AND r.hi
+            GROUP BY ALL
+        ), gappy AS (
+            SELECT k.grp, {kind} AS kind, s.{c.STAGE} AS stage, SUM({dur})::DOUBLE AS ns,
+                   SUM(CASE WHEN t.{c.REQUEST_ID} IS NOT NULL THEN {dur} ELSE 0 END)::DOUBLE AS tail_ns
+            FROM srv_spans s
+            JOIN bd_tok k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
+            LEFT JOIN bd_tail t ON s.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+            WHERE s.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM rng WHERE n <> hi - lo + 1)
+            GROUP BY ALL
+        )
+        SELECT grp, kind, stage, SUM(ns) AS ns, SUM(tail_ns) AS tail_ns
+        FROM (SELECT * FROM contiguous UNION ALL SELECT * FROM gappy) GROUP BY ALL
+    """)
+
+
+def breakdown(src: Source, *, by: str | None = None, window_s: float | None = None,
+              tail_fraction: float = TAIL_FRACTION) -> pd.DataFrame:
+    """One row per stage (plus ``unattributed``) and group: mean ms and share of TTFT and ITL, mean and tail.
+
+    Columns: [group column], stage, ttft_mean_ms, ttft_share, ttft_tail_share,
+    itl_mean_ms, itl_share, itl_tail_share. Shares are NaN for a kind with no
+    tokens. ``by`` / ``window_s`` as :func:`analyzers.latency.latency`.
+    """
+    if not 0 < tail_fraction <= 1:
+        raise ValueError(f"tail_fraction must be in (0, 1], got {tail_fraction!r}")
+    gcol = group_column(by, window_s)
+    start = None
+    if window_s is not None:
+        b = run_bounds(src)
+        start = b[0] if b else 0
+    _materialize_tokens(src, group_sql(by, window_s, alias="f", start_ns=start), tail_fraction)
+    tot = src.df("""
+        SELECT k.grp, CASE WHEN k.first THEN 'ttft' ELSE 'itl' END AS kind, COUNT(*) AS n,
+               SUM(k.lat)::DOUBLE AS lat, ANY_VALUE(t.tail_lat) AS tail_lat
+        FROM bd_tok k LEFT JOIN (SELECT grp, first, SUM(lat)::DOUBLE AS tail_lat FROM bd_tail GROUP BY grp, first) t
+          ON k.grp IS NOT DISTINCT FROM t.grp AND k.first = t.first
+        GROUP BY k.grp, k.first
+    """)
+    per = _stage_sums(src)
+    src.con.execute("DROP TABLE IF EXISTS bd_tok; DROP TABLE IF EXISTS bd_tail")
+    groups = sorted(tot["grp"].unique().tolist()) if gcol is not None else [0]
+    frames = []
+    for grp in groups:
+        frame = _assemble(tot[tot["grp"] == grp], per[per["grp"] == grp])
+        if gcol is not None:
+            frame.insert(0, gcol, grp)
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _assemble(tot: pd.DataFrame, per: pd.DataFrame) -> pd.DataFrame:
+    """The per-stage rows of one group from its token totals and per-stage sums."""
+    result = pd.DataFrame({"stage": STAGE_LABELS})
+    for kind in _KINDS:
+        t = tot[tot["kind"] == kind]
+        n = int(t["n"].iloc[0]) if len(t) else 0
+        lat = float(t["lat"].iloc[0]) if len(t) else 0.0
+        tail_lat = float(t["tail_lat"].iloc[0]) if len(t) else 0.0
+        p = per[per["kind"] == kind]
+        ns = np.zeros(len(STAGE_LABELS))
+        tail = np.zeros(len(STAGE_LABELS))
+        for stage, v, tv in zip(p["stage"], p["ns"], p["tail_ns"]):
+            ns[int(stage)] += v
+            tail[int(stage)] += tv
+        ns[-1] = lat - ns[:-1].sum()
+        tail[-1] = tail_lat - tail[:-1].sum()
+        result[f"{kind}_mean_ms"] = ns / n / 1e6 if n else np.nan
+        result[f"{kind}_share"] = ns / lat if lat > 0 else np.nan
+        result[f"{kind}_tail_share"] = tail / tail_lat if tail_lat > 0 else np.nan
+    return result[["stage"] + [f"{k}_{m}" for k in _KINDS for m in ("mean_ms", "share", "tail_share")]]
+
+
+def unattributed(src: Source) -> float:
+    """Unattributed time over total token latency (0..1): the attribution invariant's gauge.
+
+    Per token, max(0, latency - stage time), summed, over the sum of token latencies; 0 with no tokens.
+    """
+    c = col
+    total, missing = src.con.execute(f"""
+        WITH st AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM({c.END_NS} - {c.START_NS}) AS ns
+            FROM srv_spans WHERE {c.TOKEN_INDEX} >= 0 GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        )
+        SELECT SUM(t.{LATENCY})::DOUBLE, SUM(GREATEST(t.{LATENCY} - COALESCE(st.ns, 0), 0))::DOUBLE
+        FROM {token_times(src)} t LEFT JOIN st USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+    """).fetchone()
+    return float(missing / total) if total and total > 0 else 0.0
 
 
 def token_stage_times(spans: pa.Table, requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
-    """Wide table: one row per token, its latency and one column of ns per stage label + unattributed."""
+    """Wide table: one row per token, its latency and one column of ns per stage label + unattributed.
+
+    For small in-memory tables (it is one row per token).
+    """
+    src = Source.of_tables(spans=spans, requests=requests, tokens=tokens, instances=instances)
     ti = token_intervals(requests, tokens, instances)
-    sp = align(spans, SPANS.name, instances)
-    con = connect(sp=sp)
     c = col
-    per = con.execute(f"""
+    per = src.df(f"""
         SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}, SUM({c.END_NS} - {c.START_NS}) AS ns
-        FROM sp WHERE {c.TOKEN_INDEX} >= 0
-        GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}
-    """).df()
-    wide = per.pivot_table(index=[c.REQUEST_ID, c.TOKEN_INDEX], columns=c.STAGE, values="ns",
-                           aggfunc="sum", fill_value=0)
-    wide.columns = [Stage(int(s)).label for s in wide.columns]
-    out = ti.merge(wide.reset_index(), on=[c.REQUEST_ID, c.TOKEN_INDEX], how="left")
+        FROM srv_spans WHERE {c.TOKEN_INDEX} >= 0 GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}
+    """)
+    out = ti
+    if len(per):
+        wide = per.pivot_table(index=[c.REQUEST_ID, c.TOKEN_INDEX], columns=c.STAGE, values="ns",
+                               aggfunc="sum", fill_value=0)
+        wide.columns = [Stage(int(s)).label for s in wide.columns]
+        out = ti.merge(wide.reset_index(), on=[c.REQUEST_ID, c.TOKEN_INDEX], how="left")
     labels = [s.label for s in Stage]
     for label in labels:
         out[label] = out[label].fillna(0).astype("int64") if label in out else 0
@@ -48,29 +199,12 @@ def token_stage_times(spans: pa.Table, requests: pa.Table, tokens: pa.Table, ins
     return out
 
 
-def _shares(rows: pd.DataFrame, labels: list[str]) -> pd.Series:
-    total = rows[LATENCY].sum()
-    if total <= 0:
-        return pd.Series(np.nan, index=labels)
-    return rows[labels].sum() / total
-
-
 def stage_breakdown(spans: pa.Table, requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
-    """One row per stage (plus ``unattributed``): mean ms and share of TTFT and ITL, mean and tail."""
-    t = token_stage_times(spans, requests, tokens, instances)
-    labels = [s.label for s in Stage] + [UNATTRIBUTED_LABEL]
-    result = pd.DataFrame({"stage": labels})
-    for kind, rows in (("ttft", t[t[col.TOKEN_INDEX] == 0]), ("itl", t[t[col.TOKEN_INDEX] > 0])):
-        n_tail = max(1, int(np.ceil(len(rows) * TAIL_FRACTION))) if len(rows) else 0
-        tail = rows.nlargest(n_tail, LATENCY)
-        result[f"{kind}_mean_ms"] = (rows[labels].mean() / 1e6).to_numpy() if len(rows) else np.nan
-        result[f"{kind}_share"] = _shares(rows, labels).to_numpy()
-        result[f"{kind}_tail_share"] = _shares(tail, labels).to_numpy()
-    return result
+    """:func:`breakdown` (no grouping) over in-memory Arrow tables."""
+    return breakdown(Source.of_tables(spans=spans, requests=requests, tokens=tokens, instances=instances))
 
 
 def unattributed_share(spans: pa.Table, requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> float:
-    """Unattributed time over total token latency (0..1): the attribution invariant's gauge."""
-    t = token_stage_times(spans, requests, tokens, instances)
-    total = t[LATENCY].sum()
-    return float(t[UNATTRIBUTED_LABEL].clip(lower=0).sum() / total) if total > 0 else 0.0
+    """:func:`unattributed` over in-memory Arrow tables."""
+    value = unattributed(Source.of_tables(spans=spans, requests=requests, tokens=tokens, instances=instances))
+    return value if math.isfinite(value) else 0.0

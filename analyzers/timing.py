@@ -1,9 +1,8 @@
 """Per-request and per-token latency facts, server view, on the reference clock.
 
-Shared by the latency and stage-breakdown analyzers. Inputs are store tables
-(Arrow); the result tables are pandas DataFrames. Client-role rows (the load
-generator's own view) are excluded: they are the independent witness that the
-agreement analyzer compares against, not part of the server's timeline.
+Shared by every analyzer. Client-role rows (the load generator's own view) are
+excluded: they are the independent witness that the agreement analyzer compares
+against, not part of the server's timeline.
 
 Definitions (all ns on the run's reference clock):
 
@@ -12,6 +11,14 @@ Definitions (all ns on the run's reference clock):
 * ``t_i``, when output token i was delivered: its earliest ``tokens.sent_ns``
   if any server instance streamed it, else its earliest ``tokens.emit_ns``.
 * token interval: token 0 ``[arrival, t_0]``; token i ``(t_{i-1}, t_i]``.
+* a token's instance and engine step: those of the row that emitted it first.
+* a request's instance: the instance that emitted its token 0 (the engine
+  that served it), else the lowest instance id among its request rows.
+
+:func:`token_times` and :func:`request_table` materialize these once per
+:class:`~analyzers.source.Source` as DuckDB temporary tables and return their
+names. :func:`token_intervals` and :func:`request_facts` are the same facts
+for small in-memory Arrow tables, as pandas.
 """
 
 from __future__ import annotations
@@ -20,14 +27,23 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from analyzers.align import align, client_instance_ids
-from tokentrace.schema import REQUESTS, TOKENS, col
+from analyzers.source import Source
+from tokentrace.schema import col
 
-__all__ = ["token_intervals", "request_facts", "connect"]
+__all__ = ["token_intervals", "request_facts", "connect", "token_times", "token_steps", "request_table", "run_bounds",
+           "TOKEN_START", "TOKEN_END", "LATENCY", "LAST_TOKEN", "TTFT_NS", "TPOT_NS", "E2E_NS"]
 
 TOKEN_START = "token_start_ns"
+"""Start of a token's interval (arrival for token 0, previous delivery otherwise), ns."""
 TOKEN_END = "token_end_ns"
+"""When the token was delivered (t_i), ns."""
 LATENCY = "latency_ns"
+"""TOKEN_END - TOKEN_START: TTFT for token 0, ITL otherwise, ns."""
+LAST_TOKEN = "last_token_ns"
+"""Delivery time of a request's last token, ns."""
+TTFT_NS = "ttft_ns"
+TPOT_NS = "tpot_ns"
+E2E_NS = "e2e_ns"
 
 
 def connect(**tables: pa.Table) -> duckdb.DuckDBPyConnection:
@@ -38,73 +54,118 @@ def connect(**tables: pa.Table) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _server_only(t: pa.Table, instances: pa.Table) -> pa.Table:
-    clients = client_instance_ids(instances)
-    if not clients or t.num_rows == 0:
-        return t
-    import pyarrow.compute as pc
+def token_times(src: Source) -> str:
+    """Name of the temp table with one row per delivered output token.
 
-    mask = pc.invert(pc.is_in(t.column(col.INSTANCE_ID), value_set=pa.array(clients, pa.int64())))
-    return t.filter(mask)
+    Columns: request_id, token_index, token_start_ns, token_end_ns, latency_ns.
+    """
+    def build() -> str:
+        c = col
+        src.con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE token_times AS
+        WITH arrivals AS (
+            SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM srv_requests GROUP BY {c.REQUEST_ID}
+        ), ends AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, COALESCE(MIN({c.SENT_NS}), MIN({c.EMIT_NS})) AS t_end
+            FROM srv_tokens GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        ), ordered AS (
+            SELECT e.*, a.arrival,
+                   LAG(e.t_end) OVER (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX}) AS prev_end
+            FROM ends e JOIN arrivals a USING ({c.REQUEST_ID})
+            WHERE e.t_end IS NOT NULL
+        )
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
+               CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {TOKEN_START},
+               t_end AS {TOKEN_END},
+               t_end - CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {LATENCY}
+        FROM ordered
+        WHERE ({c.TOKEN_INDEX} = 0 AND arrival IS NOT NULL) OR ({c.TOKEN_INDEX} > 0 AND prev_end IS NOT NULL)
+        """)
+        return "token_times"
+    return src.cached("token_times", build)
+
+
+def token_steps(src: Source) -> str:
+    """Name of the temp table: request_id, token_index, instance_id, engine_step of the row that emitted
+    each token first (null step / instance when no server row has an emit time)."""
+    def build() -> str:
+        c = col
+        src.con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE token_steps AS
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, arg_min({c.INSTANCE_ID}, {c.EMIT_NS}) AS {c.INSTANCE_ID},
+               arg_min({c.STEP}, {c.EMIT_NS}) AS {c.STEP}
+        FROM srv_tokens WHERE {c.EMIT_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        """)
+        return "token_steps"
+    return src.cached("token_steps", build)
+
+
+def request_table(src: Source) -> str:
+    """Name of the temp table with one row per request (server view).
+
+    Columns: request_id, request_key, tenant_name, slo_class_name, arrival_ns,
+    finish_ns, request_status, num_prompt_tokens, num_cached_tokens,
+    first_token_ns, last_token_ns, num_output_tokens (tokens delivered),
+    instance_id, ttft_ns, tpot_ns (null unless > 1 token), e2e_ns (finish, else
+    last token, minus arrival; null without a first token).
+    """
+    def build() -> str:
+        c = col
+        tt, ts = token_times(src), token_steps(src)
+        src.con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE request_facts AS
+        WITH r AS (
+            SELECT {c.REQUEST_ID}, MAX({c.REQUEST_KEY}) AS {c.REQUEST_KEY},
+                   COALESCE(MAX({c.TENANT}), '') AS {c.TENANT}, COALESCE(MAX({c.SLO_CLASS}), '') AS {c.SLO_CLASS},
+                   MIN({c.ARRIVAL_NS}) AS {c.ARRIVAL_NS}, MAX({c.FINISH_NS}) AS {c.FINISH_NS},
+                   MAX({c.STATUS}) AS {c.STATUS}, MAX({c.NUM_PROMPT_TOKENS}) AS {c.NUM_PROMPT_TOKENS},
+                   MAX({c.NUM_CACHED_TOKENS}) AS {c.NUM_CACHED_TOKENS}, MIN({c.INSTANCE_ID}) AS req_instance
+            FROM srv_requests GROUP BY {c.REQUEST_ID}
+        ), t AS (
+            SELECT {c.REQUEST_ID}, MIN({TOKEN_END}) AS {c.FIRST_TOKEN_NS}, MAX({TOKEN_END}) AS {LAST_TOKEN},
+                   COUNT(*) AS {c.NUM_OUTPUT_TOKENS}
+            FROM {tt} GROUP BY {c.REQUEST_ID}
+        ), i AS (
+            SELECT {c.REQUEST_ID}, arg_min({c.INSTANCE_ID}, {c.TOKEN_INDEX}) AS tok_instance
+            FROM {ts} GROUP BY {c.REQUEST_ID}
+        )
+        SELECT r.* EXCLUDE (req_instance), t.{c.FIRST_TOKEN_NS}, t.{LAST_TOKEN},
+               COALESCE(t.{c.NUM_OUTPUT_TOKENS}, 0) AS {c.NUM_OUTPUT_TOKENS},
+               COALESCE(i.tok_instance, r.req_instance) AS {c.INSTANCE_ID},
+               t.{c.FIRST_TOKEN_NS} - r.{c.ARRIVAL_NS} AS {TTFT_NS},
+               CASE WHEN t.{c.NUM_OUTPUT_TOKENS} > 1
+                    THEN (t.{LAST_TOKEN} - t.{c.FIRST_TOKEN_NS}) / (t.{c.NUM_OUTPUT_TOKENS} - 1) END AS {TPOT_NS},
+               CASE WHEN t.{c.FIRST_TOKEN_NS} IS NOT NULL
+                    THEN COALESCE(r.{c.FINISH_NS}, t.{LAST_TOKEN}) - r.{c.ARRIVAL_NS} END AS {E2E_NS}
+        FROM r LEFT JOIN t USING ({c.REQUEST_ID}) LEFT JOIN i USING ({c.REQUEST_ID})
+        """)
+        return "request_facts"
+    return src.cached("request_facts", build)
+
+
+def run_bounds(src: Source) -> tuple[int, int] | None:
+    """(start, end) of the run on the reference clock, ns: first arrival to last finish or token.
+
+    ``None`` when no request has an arrival time.
+    """
+    rf = request_table(src)
+    row = src.con.execute(f"""
+        SELECT MIN({col.ARRIVAL_NS}), GREATEST(MAX({col.FINISH_NS}), MAX({LAST_TOKEN})) FROM {rf}
+    """).fetchone()
+    if row is None or row[0] is None or row[1] is None:
+        return None
+    return int(row[0]), int(row[1])
 
 
 def token_intervals(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
     """One row per output token: request_id, token_index, token_start_ns, token_end_ns, latency_ns."""
-    req = _server_only(align(requests, REQUESTS.name, instances), instances)
-    tok = _server_only(align(tokens, TOKENS.name, instances), instances)
-    con = connect(req=req, tok=tok)
+    src = Source.of_tables(requests=requests, tokens=tokens, instances=instances)
     c = col
-    sql = f"""
-    WITH arrivals AS (
-        SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM req GROUP BY {c.REQUEST_ID}
-    ), ends AS (
-        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
-               COALESCE(MIN({c.SENT_NS}), MIN({c.EMIT_NS})) AS t_end
-        FROM tok GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-    ), ordered AS (
-        SELECT e.{c.REQUEST_ID}, e.{c.TOKEN_INDEX}, e.t_end,
-               LAG(e.t_end) OVER (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX}) AS prev_end,
-               a.arrival
-        FROM ends e JOIN arrivals a USING ({c.REQUEST_ID})
-        WHERE e.t_end IS NOT NULL
-    )
-    SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
-           CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {TOKEN_START},
-           t_end AS {TOKEN_END},
-           t_end - CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {LATENCY}
-    FROM ordered
-    WHERE {c.TOKEN_INDEX} = 0 OR prev_end IS NOT NULL
-    ORDER BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-    """
-    return con.execute(sql).df()
+    return src.df(f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {TOKEN_START}, {TOKEN_END}, {LATENCY} "
+                  f"FROM {token_times(src)} ORDER BY {c.REQUEST_ID}, {c.TOKEN_INDEX}")
 
 
 def request_facts(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
-    """One row per request: ids, tenant, class, arrival, first token, last token, finish, counts.
-
-    Columns: request_id, tenant_name, slo_class_name, arrival_ns, first_token_ns,
-    last_token_ns, finish_ns, num_output_tokens (tokens delivered), status.
-    """
-    req = _server_only(align(requests, REQUESTS.name, instances), instances)
-    ti = token_intervals(requests, tokens, instances)
-    con = connect(req=req)
-    con.register("ti", ti)
-    c = col
-    sql = f"""
-    WITH r AS (
-        SELECT {c.REQUEST_ID},
-               MAX({c.TENANT}) AS {c.TENANT}, MAX({c.SLO_CLASS}) AS {c.SLO_CLASS},
-               MIN({c.ARRIVAL_NS}) AS {c.ARRIVAL_NS}, MAX({c.FINISH_NS}) AS {c.FINISH_NS},
-               MAX({c.STATUS}) AS {c.STATUS}, MAX({c.NUM_PROMPT_TOKENS}) AS {c.NUM_PROMPT_TOKENS},
-               MAX({c.NUM_CACHED_TOKENS}) AS {c.NUM_CACHED_TOKENS}
-        FROM req GROUP BY {c.REQUEST_ID}
-    ), t AS (
-        SELECT {c.REQUEST_ID}, MIN({TOKEN_END}) AS {c.FIRST_TOKEN_NS}, MAX({TOKEN_END}) AS last_token_ns,
-               COUNT(*) AS {c.NUM_OUTPUT_TOKENS}
-        FROM ti GROUP BY {c.REQUEST_ID}
-    )
-    SELECT r.*, t.{c.FIRST_TOKEN_NS}, t.last_token_ns, COALESCE(t.{c.NUM_OUTPUT_TOKENS}, 0) AS {c.NUM_OUTPUT_TOKENS}
-    FROM r LEFT JOIN t USING ({c.REQUEST_ID})
-    ORDER BY {c.ARRIVAL_NS}
-    """
-    return con.execute(sql).df()
+    """One row per request (columns as :func:`request_table`), ordered by arrival."""
+    src = Source.of_tables(requests=requests, tokens=tokens, instances=instances)
+    return src.df(f"SELECT * FROM {request_table(src)} ORDER BY {col.ARRIVAL_NS}")

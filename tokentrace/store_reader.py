@@ -196,6 +196,16 @@ class Run:
         """
         return (self.path / _table_def(name).name).as_posix() + "/instance=*/part-*.parquet"
 
+    def analyze(self) -> Any:
+        """The analyses of this run: an ``analyzers.facade.RunAnalysis`` (imported lazily).
+
+        ``run.analyze().latency(by="tenant")``, ``.stage_breakdown()``, ``.goodput()``, ...;
+        see ``docs/analyzers.md``. Each call builds a fresh one (it reads the files present now).
+        """
+        from analyzers.facade import RunAnalysis
+
+        return RunAnalysis(self)
+
     def info(self) -> RunInfo:
         """A :class:`RunInfo` summary of this run."""
         rows = {name: self.num_rows(name) for name in self.tables()}

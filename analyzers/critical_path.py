@@ -1,0 +1,107 @@
+"""The critical path of TTFT and the slowest requests with their breakdowns.
+
+Critical path: token 0's interval [arrival, first token] is tiled by its stage
+spans, so the ordered chain of those stages *is* the path to the first token.
+For a group of requests, each stage gets its mean time per request (requests
+without the stage count as 0), its share of the group's summed TTFT, and its
+mean start offset from arrival (over the requests that have it), which orders
+the chain. Groups: ``p50`` = the requests whose TTFT lies between the 45th and
+55th percentile (at least the one nearest the median); ``p99`` = requests at
+or above the 99th percentile (at least the slowest one).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analyzers.source import Source
+from analyzers.timing import E2E_NS, TPOT_NS, TTFT_NS, request_table
+from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
+
+__all__ = ["critical_path", "slowest_requests", "CRITICAL_PATH_GROUPS"]
+
+CRITICAL_PATH_GROUPS: dict[str, tuple[float, float]] = {"p50": (45.0, 55.0), "p99": (99.0, 100.0)}
+"""Group name -> TTFT percentile range (inclusive) of the requests it averages."""
+
+_CP_COLUMNS = ["group", "position", "stage", "mean_ms", "share_of_ttft", "mean_start_offset_ms"]
+
+
+def _pick(ttft: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Indices of requests with TTFT in [P_lo, P_hi]; the nearest to P_mid if none."""
+    a, b = np.percentile(ttft, lo), np.percentile(ttft, hi)
+    idx = np.flatnonzero((ttft >= a) & (ttft <= b))
+    if idx.size == 0:
+        idx = np.array([int(np.argmin(np.abs(ttft - np.percentile(ttft, (lo + hi) / 2))))])
+    return idx
+
+
+def critical_path(src: Source) -> pd.DataFrame:
+    """Ordered stage chain of token 0 for the median (``p50``) and tail (``p99``) requests.
+
+    Columns: group, position (0 = first stage), stage (label; ``unattributed``
+    last when non-zero), mean_ms, share_of_ttft, mean_start_offset_ms.
+    """
+    c = col
+    rf = request_table(src)
+    req = src.df(f"SELECT {c.REQUEST_ID}, {TTFT_NS} FROM {rf} WHERE {TTFT_NS} IS NOT NULL ORDER BY {c.REQUEST_ID}")
+    if req.empty:
+        return pd.DataFrame(columns=_CP_COLUMNS)
+    per = src.df(f"""
+        SELECT s.{c.REQUEST_ID}, s.{c.STAGE} AS stage, SUM(s.{c.END_NS} - s.{c.START_NS})::DOUBLE AS ns,
+               (MIN(s.{c.START_NS}) - MIN(f.{c.ARRIVAL_NS}))::DOUBLE AS offset_ns
+        FROM srv_spans s JOIN {rf} f USING ({c.REQUEST_ID})
+        WHERE s.{c.TOKEN_INDEX} = 0 AND f.{TTFT_NS} IS NOT NULL
+        GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}
+    """)
+    ttft = req[TTFT_NS].to_numpy(float)
+    rows = []
+    for group, (lo, hi) in CRITICAL_PATH_GROUPS.items():
+        ids = req[c.REQUEST_ID].to_numpy()[_pick(ttft, lo, hi)]
+        sel = per[per[c.REQUEST_ID].isin(ids)]
+        total = float(ttft[np.isin(req[c.REQUEST_ID].to_numpy(), ids)].sum())
+        agg = sel.groupby("stage").agg(ns=("ns", "sum"), offset=("offset_ns", "mean")).sort_values("offset")
+        chain = [(Stage(int(s)).label, r["ns"], r["offset"]) for s, r in agg.iterrows()]
+        rest = total - float(agg["ns"].sum())
+        if abs(rest) > 0:
+            chain.append((UNATTRIBUTED_LABEL, rest, np.nan))
+        for pos, (label, ns, offset) in enumerate(chain):
+            rows.append({"group": group, "position": pos, "stage": label, "mean_ms": ns / len(ids) / 1e6,
+                         "share_of_ttft": ns / total if total > 0 else np.nan,
+                         "mean_start_offset_ms": offset / 1e6})
+    return pd.DataFrame(rows, columns=_CP_COLUMNS)
+
+
+def slowest_requests(src: Source, n: int = 10) -> pd.DataFrame:
+    """The ``n`` requests with the longest end-to-end latency, with where their time went.
+
+    Columns: request_id, request_key, tenant_name, slo_class_name, ttft_ms,
+    tpot_ms, e2e_ms, num_output_tokens, then one column per stage label
+    (ms summed over all the request's spans) and ``unattributed`` (e2e minus
+    those). Ordered by e2e_ms descending; ``ValueError`` if n < 1.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    c = col
+    rf = request_table(src)
+    top = src.df(f"""
+        SELECT {c.REQUEST_ID}, {c.REQUEST_KEY}, {c.TENANT}, {c.SLO_CLASS}, {TTFT_NS} / 1e6 AS ttft_ms,
+               {TPOT_NS} / 1e6 AS tpot_ms, {E2E_NS} / 1e6 AS e2e_ms, {c.NUM_OUTPUT_TOKENS}
+        FROM {rf} WHERE {E2E_NS} IS NOT NULL ORDER BY {E2E_NS} DESC, {c.REQUEST_ID} LIMIT {n}
+    """)
+    labels = [s.label for s in Stage]
+    for label in labels:
+        top[label] = 0.0
+    if not top.empty:
+        src.con.register("slow_ids", top[[c.REQUEST_ID]])
+        per = src.df(f"""
+            SELECT {c.REQUEST_ID}, {c.STAGE} AS stage, SUM({c.END_NS} - {c.START_NS}) / 1e6 AS ms
+            FROM srv_spans WHERE {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids)
+            GROUP BY {c.REQUEST_ID}, {c.STAGE}
+        """)
+        src.con.unregister("slow_ids")
+        pos = {rid: i for i, rid in enumerate(top[c.REQUEST_ID])}
+        for rid, stage, ms in zip(per[c.REQUEST_ID], per["stage"], per["ms"]):
+            top.loc[pos[rid], Stage(int(stage)).label] = ms
+    top[UNATTRIBUTED_LABEL] = top["e2e_ms"] - top[labels].sum(axis=1)
+    return top

@@ -1,0 +1,166 @@
+"""Two runs compared per metric and stage, with bootstrap confidence intervals.
+
+Rows (``metric``, ``statistic``):
+
+* ``ttft``, ``tpot``, ``e2e`` (per request) and ``itl`` (per token) x ``mean``,
+  ``p50``, ``p90``, ``p99`` (ms);
+* ``stage.<label>.ttft`` / ``stage.<label>.itl`` x ``mean``: the stage's time
+  per token 0 / per later token (ms), every stage and ``unattributed``.
+
+delta = candidate - baseline; rel_change = delta / baseline. The confidence
+interval of delta is a percentile bootstrap: ``resamples`` times, each run's
+units are drawn with replacement (independently per run, one seeded generator)
+and the statistic recomputed; ci = the (1-confidence)/2 and (1+confidence)/2
+quantiles of the resampled deltas. Units are requests, except for ITL, where
+they are tokens. Stage means are ratio estimators over resampled requests (sum
+of stage time / number of tokens).
+To bound cost each run contributes at most ``max_units`` units (a seeded
+subsample beyond that).
+
+``significant`` = the interval excludes 0 and |rel_change| >= ``min_effect``;
+``regression`` = significant and delta > 0 (higher latency is worse). A run
+compared with itself has delta 0 and is never significant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analyzers.source import Source
+from analyzers.stage_breakdown import STAGE_LABELS
+from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, token_times
+from tokentrace.schema import col
+
+__all__ = ["diff", "DIFF_COLUMNS", "STATISTICS"]
+
+STATISTICS: dict[str, float | None] = {"mean": None, "p50": 50.0, "p90": 90.0, "p99": 99.0}
+DIFF_COLUMNS = ["metric", "statistic", "baseline", "candidate", "delta", "rel_change", "ci_low", "ci_high",
+                "significant", "regression"]
+_CHUNK = 50  # resamples per vectorised batch
+
+
+@dataclass(frozen=True, slots=True)
+class _RunSamples:
+    per_request: dict[str, np.ndarray]  # ttft / tpot / e2e in ms
+    itl: np.ndarray  # ms per token
+    stage_sum: dict[str, np.ndarray]  # kind -> (n_requests, n_labels) ms summed per request
+    stage_count: dict[str, np.ndarray]  # kind -> (n_requests,) tokens of that kind per request
+
+
+def _samples(src: Source) -> _RunSamples:
+    c = col
+    rf, tt = request_table(src), token_times(src)
+    req = src.df(f"SELECT {c.REQUEST_ID}, {TTFT_NS} / 1e6 AS ttft, {TPOT_NS} / 1e6 AS tpot, {E2E_NS} / 1e6 AS e2e "
+                 f"FROM {rf} WHERE {TTFT_NS} IS NOT NULL ORDER BY {c.REQUEST_ID}")
+    itl = src.df(f"SELECT {LATENCY} / 1e6 AS v FROM {tt} WHERE {c.TOKEN_INDEX} > 0")["v"].to_numpy(float)
+    per = src.df(f"""
+        SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX} = 0 AS first, s.{c.STAGE} AS stage,
+               SUM(s.{c.END_NS} - s.{c.START_NS}) / 1e6 AS ms
+        FROM srv_spans s JOIN {tt} t ON s.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+        GROUP BY ALL
+    """)
+    tok = src.df(f"""SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, COUNT(*) AS n, SUM({LATENCY}) / 1e6 AS ms
+                     FROM {tt} GROUP BY ALL""")
+    pos = pd.Series(np.arange(len(req)), index=req[c.REQUEST_ID].to_numpy())
+    sums, counts = {}, {}
+    for kind, first in (("ttft", True), ("itl", False)):
+        s = np.zeros((len(req), len(STAGE_LABELS)))
+        n = np.zeros(len(req))
+        p = per[(per["first"] == first) & per[c.REQUEST_ID].isin(pos.index)]
+        np.add.at(s, (pos[p[c.REQUEST_ID]].to_numpy(), p["stage"].to_numpy(int)), p["ms"].to_numpy(float))
+        t = tok[(tok["first"] == first) & tok[c.REQUEST_ID].isin(pos.index)]
+        idx = pos[t[c.REQUEST_ID]].to_numpy()
+        n[idx] = t["n"].to_numpy(float)
+        lat = np.zeros(len(req))
+        lat[idx] = t["ms"].to_numpy(float)
+        s[:, -1] = lat - s[:, :-1].sum(axis=1)
+        sums[kind], counts[kind] = s, n
+    per_request = {k: req[k].to_numpy(float) for k in ("ttft", "tpot", "e2e")}
+    return _RunSamples(per_request, itl, sums, counts)
+
+
+def _stat(x: np.ndarray, q: float | None, axis: int = -1) -> np.ndarray:
+    return x.mean(axis=axis) if q is None else np.percentile(x, q, axis=axis)
+
+
+def _boot_values(x: np.ndarray, q: float | None, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    out = np.empty(resamples)
+    for lo in range(0, resamples, _CHUNK):
+        k = min(_CHUNK, resamples - lo)
+        out[lo:lo + k] = _stat(x[rng.integers(0, x.size, size=(k, x.size))], q, axis=1)
+    return out
+
+
+def _boot_ratio(s: np.ndarray, n: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """Resampled sum(s) / sum(n) over rows; s is (rows, columns) -> (resamples, columns)."""
+    out = np.empty((resamples, s.shape[1]))
+    for lo in range(0, resamples, _CHUNK):
+        k = min(_CHUNK, resamples - lo)
+        w = rng.multinomial(s.shape[0], np.full(s.shape[0], 1 / s.shape[0]), size=k)  # (k, rows)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[lo:lo + k] = (w @ s) / (w @ n)[:, None]
+    return out
+
+
+def _cap(x: np.ndarray, max_units: int, rng: np.random.Generator) -> np.ndarray:
+    return x if x.shape[0] <= max_units else x[rng.choice(x.shape[0], max_units, replace=False)]
+
+
+def _row(metric: str, statistic: str, b: float, c: float, bb: np.ndarray, cb: np.ndarray,
+         confidence: float, min_effect: float) -> dict:
+    delta = c - b
+    rel = delta / b if b else (0.0 if delta == 0 else math.nan)
+    d = cb - bb
+    d = d[np.isfinite(d)]
+    lo, hi = (np.quantile(d, [(1 - confidence) / 2, (1 + confidence) / 2]) if d.size else (math.nan, math.nan))
+    sig = bool(d.size and (lo > 0 or hi < 0) and math.isfinite(rel) and abs(rel) >= min_effect)
+    return {"metric": metric, "statistic": statistic, "baseline": b, "candidate": c, "delta": delta,
+            "rel_change": rel, "ci_low": float(lo), "ci_high": float(hi), "significant": sig,
+            "regression": bool(sig and delta > 0)}
+
+
+def diff(baseline: Source, candidate: Source, *, resamples: int = 1000, seed: int = 0, min_effect: float = 0.02,
+         confidence: float = 0.95, max_units: int = 20_000) -> pd.DataFrame:
+    """Per metric and stage: baseline, candidate, delta, rel_change, bootstrap CI, significant, regression.
+
+    ``ValueError`` for resamples < 10, confidence outside (0, 1), negative min_effect or max_units < 2.
+    Metrics with no samples in either run are left out.
+    """
+    if resamples < 10:
+        raise ValueError(f"resamples must be at least 10, got {resamples!r}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if min_effect < 0 or max_units < 2:
+        raise ValueError("min_effect must be >= 0 and max_units >= 2")
+    rng = np.random.default_rng(seed)
+    b, c = _samples(baseline), _samples(candidate)
+    rows = []
+    series = [(m, b.per_request[m], c.per_request[m]) for m in ("ttft", "tpot")]
+    series += [("itl", b.itl, c.itl), ("e2e", b.per_request["e2e"], c.per_request["e2e"])]
+    for metric, xb, xc in series:
+        xb, xc = xb[np.isfinite(xb)], xc[np.isfinite(xc)]
+        if not xb.size or not xc.size:
+            continue
+        xb, xc = _cap(xb, max_units, rng), _cap(xc, max_units, rng)
+        for name, q in STATISTICS.items():
+            rows.append(_row(metric, name, float(_stat(xb, q)), float(_stat(xc, q)),
+                             _boot_values(xb, q, rng, resamples), _boot_values(xc, q, rng, resamples),
+                             confidence, min_effect))
+    for kind in ("ttft", "itl"):
+        sb, nb, sc, nc = b.stage_sum[kind], b.stage_count[kind], c.stage_sum[kind], c.stage_count[kind]
+        if nb.sum() <= 0 or nc.sum() <= 0:
+            continue
+        keep_b = _cap(np.arange(len(nb)), max_units, rng)
+        keep_c = _cap(np.arange(len(nc)), max_units, rng)
+        sb, nb, sc, nc = sb[keep_b], nb[keep_b], sc[keep_c], nc[keep_c]
+        bb, cb = _boot_ratio(sb, nb, rng, resamples), _boot_ratio(sc, nc, rng, resamples)
+        vb, vc = sb.sum(axis=0) / nb.sum(), sc.sum(axis=0) / nc.sum()
+        for j, label in enumerate(STAGE_LABELS):
+            rows.append(_row(f"stage.{label}.{kind}", "mean", float(vb[j]), float(vc[j]), bb[:, j], cb[:, j],
+                             confidence, min_effect))
+    return pd.DataFrame(rows, columns=DIFF_COLUMNS)
+

@@ -1,0 +1,165 @@
+"""``RunAnalysis``: every analysis of one run, behind one object with the user documentation.
+
+Open it from a store::
+
+    run = tokentrace.open("traces/")           # the newest run
+    a = run.analyze()                          # a RunAnalysis
+    a.latency(by="tenant")                     # TTFT / TPOT / ITL / E2E percentiles per tenant
+    a.stage_breakdown()                        # where TTFT and ITL went, mean and tail
+    a.slo(); a.goodput(); a.fluidity()         # SLO attainment, DistServe goodput, Etalon fluidity
+    a.diff(tokentrace.open("baseline/").analyze())
+
+Each method delegates to one module of :mod:`analyzers` and returns pandas
+DataFrames (or a small frozen dataclass of them); column meanings and formulas
+are in ``docs/analyzers.md``. Nothing is printed, plotted or written.
+
+The analyses run in DuckDB over the run's Parquet files (only result rows reach
+memory). A table the run lacks reads as empty, so its analyses return empty
+frames. Results are not cached between calls except the per-token and
+per-request facts every analysis shares. Not thread-safe: one ``RunAnalysis``
+per thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import pandas as pd
+
+from analyzers import batch as _batch
+from analyzers import cache as _cache
+from analyzers import critical_path as _critical
+from analyzers import diff as _diff
+from analyzers import latency as _latency
+from analyzers import pd_ratio as _pd
+from analyzers import queues as _queues
+from analyzers import slo as _slo
+from analyzers import stage_breakdown as _breakdown
+from analyzers import tenants as _tenants
+from analyzers.source import Source
+
+__all__ = ["RunAnalysis"]
+
+
+class RunAnalysis:
+    """The analyses of one run. Build with ``Run.analyze()`` or ``RunAnalysis(run)`` / ``RunAnalysis.of(source)``."""
+
+    def __init__(self, run: Any = None, *, source: Source | None = None) -> None:
+        if source is None:
+            if run is None:
+                raise ValueError("RunAnalysis needs a run (tokentrace.open(...)) or a source")
+            source = Source.of_run(run)
+        self.run = run
+        self.source = source
+
+    @classmethod
+    def of(cls, source: Source) -> "RunAnalysis":
+        """Analyses over an existing :class:`~analyzers.source.Source` (e.g. in-memory tables)."""
+        return cls(source=source)
+
+    # ------------------------------------------------------------ latency and SLOs
+
+    def latency(self, *, by: str | None = None, window_s: float | None = None) -> pd.DataFrame:
+        """TTFT, TPOT, ITL and E2E: count, mean, p50/p90/p99/p99.9 (ms), overall or per
+        ``by`` in ``"tenant"``, ``"slo_class"``, ``"instance"``, or per arrival window of ``window_s``."""
+        return _latency.latency(self.source, by=by, window_s=window_s)
+
+    def slo(self, *, targets: Mapping[str, _slo.SloTargets] | None = None) -> pd.DataFrame:
+        """Share of requests meeting their class's TTFT and TPOT targets, per class and overall (``*``)."""
+        return _slo.slo_attainment(self.source, targets=targets)
+
+    def goodput(self, *, targets: Mapping[str, _slo.SloTargets] | None = None, target_share: float = 0.9,
+                window_s: float | None = None) -> pd.DataFrame:
+        """DistServe goodput: good requests per second, and the highest load at which >= ``target_share`` met both SLOs."""
+        return _slo.goodput(self.source, targets=targets, target_share=target_share, window_s=window_s)
+
+    def fluidity(self, *, targets: Mapping[str, _slo.SloTargets] | None = None) -> pd.DataFrame:
+        """Etalon fluidity-index (share of per-token deadlines met, with deadline reset after a miss)."""
+        return _slo.fluidity(self.source, targets=targets)
+
+    # ------------------------------------------------------------ where the time went
+
+    def stage_breakdown(self, *, by: str | None = None, window_s: float | None = None) -> pd.DataFrame:
+        """Each stage's mean time and share of TTFT and ITL, over all tokens and over the slowest 1%;
+        overall or per ``by`` / arrival window as :meth:`latency`."""
+        return _breakdown.breakdown(self.source, by=by, window_s=window_s)
+
+    def unattributed_share(self) -> float:
+        """Time no stage covers, over all token latency (0..1); should stay under 0.01."""
+        return _breakdown.unattributed(self.source)
+
+    def critical_path(self) -> pd.DataFrame:
+        """Ordered stage chain to the first token, for median (p50) and tail (p99) requests."""
+        return _critical.critical_path(self.source)
+
+    def slowest_requests(self, n: int = 10) -> pd.DataFrame:
+        """The ``n`` slowest requests (end-to-end) with their time per stage."""
+        return _critical.slowest_requests(self.source, n)
+
+    # ------------------------------------------------------------ resources
+
+    def queues(self, *, bucket_s: float = 1.0) -> _queues.Queues:
+        """Queue lengths over time per instance, queueing-delay distribution, Little's-law check."""
+        return _queues.queues(self.source, bucket_s=bucket_s)
+
+    def littles_law(self) -> pd.DataFrame:
+        """L measured from steps against lambda * W from requests, per engine instance."""
+        return _queues.littles_law(self.source)
+
+    def cache(self) -> _cache.CacheReport:
+        """Prefix hit rates (by tokens and requests), per-tier hits, churn, transfers, cost of misses."""
+        return _cache.cache(self.source)
+
+    def pd_ratio(self) -> _pd.PdRatio:
+        """Prefill / decode utilisation per pool, queue watermarks, KV transfer share, recommended ratio."""
+        return _pd.pd_ratio(self.source)
+
+    def batch(self) -> pd.DataFrame:
+        """Step time and ITL against batch size (power-of-two bins)."""
+        return _batch.batch_profile(self.source)
+
+    def interference(self, *, tail_fraction: float = 0.01) -> pd.DataFrame:
+        """What shared the steps of the slowest decode tokens, against median tokens."""
+        return _batch.interference(self.source, tail_fraction=tail_fraction)
+
+    # ------------------------------------------------------------ tenants
+
+    def tenants(self, *, weights: Mapping[str, float] | None = None) -> _tenants.TenantReport:
+        """Per-tenant latency, shares and Jain's fairness by requests, tokens and compute time."""
+        return _tenants.tenants(self.source, weights=weights)
+
+    def noisy_neighbours(self, *, window_s: float | None = None, z_threshold: float = 2.0,
+                         min_correlation: float = 0.5) -> pd.DataFrame:
+        """Tenant pairs where one tenant's arrival bursts line up with the other's p99 TTFT."""
+        return _tenants.noisy_neighbours(self.source, window_s=window_s, z_threshold=z_threshold,
+                                         min_correlation=min_correlation)
+
+    # ------------------------------------------------------------ comparisons
+
+    def diff(self, baseline: Any, *, resamples: int = 1000, seed: int = 0, min_effect: float = 0.02,
+             confidence: float = 0.95) -> pd.DataFrame:
+        """This run (candidate) against ``baseline`` (a RunAnalysis, Run or Source), bootstrap CIs per metric."""
+        return _diff.diff(_as_source(baseline), self.source, resamples=resamples, seed=seed,
+                          min_effect=min_effect, confidence=confidence)
+
+    def agreement(self) -> pd.DataFrame:
+        """Server view against the client's (``analyzers.agreement.agreement_summary``); empty without client rows."""
+        from analyzers import agreement
+
+        if self.run is not None:  # the reader's tables, on the recording clocks (agreement aligns them)
+            requests, tokens, spans = (self.run.table(n) for n in ("requests", "tokens", "spans"))
+        else:
+            requests, tokens, spans = (self.source.con.sql(f"SELECT * FROM raw_{n}").to_arrow_table()
+                                       for n in ("requests", "tokens", "spans"))
+        instances = self.source.con.sql("SELECT * FROM instances").to_arrow_table()
+        return agreement.agreement_summary(requests, tokens, instances, spans)
+
+
+def _as_source(x: Any) -> Source:
+    if isinstance(x, RunAnalysis):
+        return x.source
+    if isinstance(x, Source):
+        return x
+    if hasattr(x, "files") and hasattr(x, "table"):
+        return Source.of_run(x)
+    raise ValueError(f"baseline must be a RunAnalysis, a Run or a Source, got {type(x).__name__}")

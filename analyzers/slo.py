@@ -1,0 +1,260 @@
+"""SLO attainment, goodput (DistServe) and streaming smoothness (Etalon's fluidity-index).
+
+Targets per SLO class (:class:`SloTargets`, TTFT and TPOT in ms) come from, in
+order: the ``targets`` argument; the run manifest's config
+``{"slo": {"<class>": {"ttft_ms": .., "tpot_ms": ..}}}``; its
+``{"slo_ms": {"ttft": .., "tpot": ..}}`` (one pair for every class, as written by
+``tokentrace bench --slo``); else :data:`DEFAULT_TARGETS` (interactive: TTFT
+500 ms, TPOT 100 ms; batch: TTFT 30 s, TPOT 1 s). A class with no target of its
+own gets the interactive one.
+
+A request *meets its SLO* when TTFT <= the TTFT target and TPOT <= the TPOT
+target (a one-token request has no TPOT and meets that half). A request that
+never produced a token meets neither. Every server-side request with an arrival
+time counts in the denominator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from analyzers.groups import ALL
+from analyzers.source import Source
+from analyzers.timing import TOKEN_END, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
+from tokentrace.schema import col
+
+__all__ = ["SloTargets", "DEFAULT_TARGETS", "resolve_targets", "request_slo", "slo_attainment", "goodput",
+           "fluidity", "request_fluidity", "DEFAULT_TARGET_SHARE"]
+
+DEFAULT_TARGET_SHARE = 0.9  # DistServe's usual attainment goal
+
+
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    """Latency targets of one SLO class, in milliseconds."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"SLO target {name} must be a positive number of ms, got {v!r}")
+
+
+DEFAULT_TARGETS: dict[str, SloTargets] = {
+    "interactive": SloTargets(ttft_ms=500.0, tpot_ms=100.0),
+    "batch": SloTargets(ttft_ms=30_000.0, tpot_ms=1_000.0),
+}
+
+
+def _from_manifest(manifest: Mapping[str, Any]) -> dict[str, SloTargets]:
+    config = manifest.get("config") if isinstance(manifest, Mapping) else None
+    if not isinstance(config, Mapping):
+        return {}
+    out: dict[str, SloTargets] = {}
+    pair = config.get("slo_ms")
+    if isinstance(pair, Mapping) and {"ttft", "tpot"} <= set(pair):
+        try:
+            out[ALL] = SloTargets(float(pair["ttft"]), float(pair["tpot"]))
+        except (TypeError, ValueError):
+            pass
+    per_class = config.get("slo")
+    if isinstance(per_class, Mapping):
+        for name, t in per_class.items():
+            if isinstance(t, Mapping) and {"ttft_ms", "tpot_ms"} <= set(t):
+                try:
+                    out[str(name)] = SloTargets(float(t["ttft_ms"]), float(t["tpot_ms"]))
+                except (TypeError, ValueError):
+                    continue
+    return out
+
+
+def resolve_targets(src: Source, classes: list[str],
+                    targets: Mapping[str, SloTargets] | None = None) -> dict[str, SloTargets]:
+    """The target of every class in ``classes`` (see the module doc for the order of sources)."""
+    if targets is not None:
+        bad = [k for k, v in targets.items() if not isinstance(v, SloTargets)]
+        if bad:
+            raise ValueError(f"targets must map class names to SloTargets; bad entries: {', '.join(map(str, bad))}")
+    manifest = _from_manifest(src.manifest)
+    out = {}
+    for name in classes:
+        for source in (targets or {}, manifest):
+            if name in source:
+                out[name] = source[name]
+                break
+            if ALL in source:
+                out[name] = source[ALL]
+                break
+        else:
+            out[name] = DEFAULT_TARGETS.get(name, DEFAULT_TARGETS["interactive"])
+    return out
+
+
+def request_slo(src: Source, targets: Mapping[str, SloTargets] | None = None) -> pd.DataFrame:
+    """One row per request: request_id, slo_class_name, arrival_ns, ttft_ms, tpot_ms, ttft_ok, tpot_ok, ok."""
+    c = col
+    f = src.df(f"""SELECT {c.REQUEST_ID}, {c.SLO_CLASS}, {c.ARRIVAL_NS}, {TTFT_NS} / 1e6 AS ttft_ms,
+                   {TPOT_NS} / 1e6 AS tpot_ms FROM {request_table(src)} WHERE {c.ARRIVAL_NS} IS NOT NULL""")
+    tg = resolve_targets(src, sorted(f[c.SLO_CLASS].unique().tolist()), targets)
+    ttft_t = f[c.SLO_CLASS].map(lambda k: tg[k].ttft_ms).astype(float)
+    tpot_t = f[c.SLO_CLASS].map(lambda k: tg[k].tpot_ms).astype(float)
+    f["ttft_ok"] = (f["ttft_ms"] <= ttft_t).fillna(False).astype(bool)
+    f["tpot_ok"] = (f["tpot_ms"].isna() & f["ttft_ms"].notna()) | (f["tpot_ms"] <= tpot_t).fillna(False)
+    f["ok"] = f["ttft_ok"] & f["tpot_ok"]
+    return f
+
+
+def _class_frames(f: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(class, rows) for every class, then (ALL, every row)."""
+    return [(k, g) for k, g in f.groupby(col.SLO_CLASS, sort=True)] + [(ALL, f)]
+
+
+def slo_attainment(src: Source, *, targets: Mapping[str, SloTargets] | None = None) -> pd.DataFrame:
+    """Share of requests meeting TTFT, TPOT and both, per SLO class and over all (``"*"``).
+
+    Columns: slo_class_name, ttft_target_ms, tpot_target_ms (NaN on the ``*``
+    row), num_requests, ttft_attainment, tpot_attainment, attainment.
+    """
+    f = request_slo(src, targets)
+    tg = resolve_targets(src, sorted(f[col.SLO_CLASS].unique().tolist()), targets)
+    rows = []
+    for name, g in _class_frames(f):
+        t = tg.get(name)
+        rows.append({col.SLO_CLASS: name, "ttft_target_ms": t.ttft_ms if t else math.nan,
+                     "tpot_target_ms": t.tpot_ms if t else math.nan, "num_requests": len(g),
+                     "ttft_attainment": _mean(g["ttft_ok"]), "tpot_attainment": _mean(g["tpot_ok"]),
+                     "attainment": _mean(g["ok"])})
+    return pd.DataFrame(rows)
+
+
+def _mean(s: pd.Series) -> float:
+    return float(s.mean()) if len(s) else math.nan
+
+
+def goodput(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
+            target_share: float = DEFAULT_TARGET_SHARE, window_s: float | None = None) -> pd.DataFrame:
+    """Goodput per SLO class and over all (``"*"``), two ways (see docs/analyzers.md).
+
+    * ``goodput_rps`` = requests meeting both SLOs / run duration (s).
+    * ``attainment_constrained_rate_rps``: split the run into arrival windows
+      of ``window_s`` (default: a tenth of the run); sort windows by their
+      arrival rate; the highest window rate r such that the requests of all
+      windows with rate <= r together meet the SLO at >= ``target_share``
+      (0 when even the quietest windows miss it). DistServe's goodput is the
+      highest rate sustaining the target attainment; this is its estimate
+      from the load levels the run actually went through.
+
+    Columns: slo_class_name, duration_s, num_requests, num_good,
+    request_rate_rps, goodput_rps, attainment, meets_target,
+    attainment_constrained_rate_rps.
+    """
+    if not 0 < target_share <= 1:
+        raise ValueError(f"target_share must be in (0, 1], got {target_share!r}")
+    f = request_slo(src, targets)
+    bounds = run_bounds(src)
+    duration_ns = (bounds[1] - bounds[0]) if bounds else 0
+    if window_s is not None and not (math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+    window_ns = int(window_s * 1e9) if window_s else max(1, duration_ns // 10)
+    rows = []
+    for name, g in _class_frames(f):
+        n, good = len(g), int(g["ok"].sum())
+        dur_s = duration_ns / 1e9
+        attain = good / n if n else math.nan
+        rows.append({col.SLO_CLASS: name, "duration_s": dur_s, "num_requests": n, "num_good": good,
+                     "request_rate_rps": n / dur_s if dur_s > 0 else math.nan,
+                     "goodput_rps": good / dur_s if dur_s > 0 else math.nan,
+                     "attainment": attain, "meets_target": bool(n and attain >= target_share),
+                     "attainment_constrained_rate_rps":
+                         _constrained_rate(g, bounds, window_ns, target_share) if bounds else math.nan})
+    return pd.DataFrame(rows)
+
+
+def _constrained_rate(g: pd.DataFrame, bounds: tuple[int, int], window_ns: int, target_share: float) -> float:
+    """Highest window arrival rate (req/s) up to which pooled attainment stays >= target_share."""
+    if not len(g):
+        return math.nan
+    start, end = bounds
+    k = ((g[col.ARRIVAL_NS].to_numpy(np.int64) - start) // window_ns).astype(np.int64)
+    num_windows = max(1, int(math.ceil((end - start) / window_ns)))
+    lengths_s = np.array([min(window_ns, end - (start + i * window_ns)) for i in range(num_windows)]) / 1e9
+    counts = np.bincount(k, minlength=num_windows)[:num_windows]
+    goods = np.bincount(k, weights=g["ok"].to_numpy(float), minlength=num_windows)[:num_windows]
+    keep = (counts > 0) & (lengths_s > 0)
+    rates, counts, goods = counts[keep] / lengths_s[keep], counts[keep], goods[keep]
+    order = np.argsort(rates, kind="stable")
+    cum = np.cumsum(goods[order]) / np.cumsum(counts[order])
+    ok = np.nonzero(cum >= target_share - 1e-12)[0]
+    return float(rates[order][ok[-1]]) if ok.size else 0.0
+
+
+def request_fluidity(src: Source, *, targets: Mapping[str, SloTargets] | None = None) -> pd.DataFrame:
+    """Per request: request_id, slo_class_name, num_deadlines, num_missed, fluidity_index (Etalon).
+
+    Token i's deadline is ``arrival + TTFT_target + i * TPOT_target``; when a
+    token misses its deadline, the deadlines of the later tokens restart from
+    that token's delivery: ``d_j = t_i + (j - i) * TPOT_target`` (Etalon's
+    reset, so one stall is counted once, not for every later token).
+    fluidity_index = met deadlines / deadlines.
+    """
+    c = col
+    rf, tt = request_table(src), token_times(src)
+    df = src.df(f"""
+        SELECT t.{c.REQUEST_ID}, f.{c.SLO_CLASS}, f.{c.ARRIVAL_NS}, t.{TOKEN_END}
+        FROM {tt} t JOIN {rf} f USING ({c.REQUEST_ID}) WHERE f.{c.ARRIVAL_NS} IS NOT NULL
+        ORDER BY t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}
+    """)
+    tg = resolve_targets(src, sorted(df[c.SLO_CLASS].unique().tolist()), targets)
+    rows = []
+    ids = df[c.REQUEST_ID].to_numpy()
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if len(ids) else np.empty(0, int)
+    ends = df[TOKEN_END].to_numpy(np.int64)
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(ids)]):
+        if hi <= lo:
+            continue
+        cls = df[c.SLO_CLASS].iat[lo]
+        t = tg[cls]
+        missed = _missed_deadlines(int(df[c.ARRIVAL_NS].iat[lo]), ends[lo:hi], t.ttft_ms * 1e6, t.tpot_ms * 1e6)
+        n = hi - lo
+        rows.append({c.REQUEST_ID: ids[lo], c.SLO_CLASS: cls, "num_deadlines": n, "num_missed": missed,
+                     "fluidity_index": 1 - missed / n})
+    cols = [c.REQUEST_ID, c.SLO_CLASS, "num_deadlines", "num_missed", "fluidity_index"]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _missed_deadlines(arrival: int, times: np.ndarray, ttft_ns: float, tpot_ns: float) -> int:
+    """Deadlines missed by tokens delivered at ``times`` (ns, token order), with Etalon's reset."""
+    anchor, anchor_index, missed = arrival + ttft_ns, 0, 0
+    for i, t in enumerate(times.tolist()):
+        deadline = anchor + (i - anchor_index) * tpot_ns
+        if t > deadline:
+            missed += 1
+            anchor, anchor_index = float(t), i
+    return missed
+
+
+def fluidity(src: Source, *, targets: Mapping[str, SloTargets] | None = None) -> pd.DataFrame:
+    """Etalon fluidity-index per SLO class and over all (``"*"``).
+
+    Columns: slo_class_name, num_requests, num_deadlines, num_missed,
+    fluidity_index (met / all deadlines, pooled over tokens),
+    mean_request_fluidity, p10_request_fluidity (the unsmoothest 10% of requests).
+    """
+    per = request_fluidity(src, targets=targets)
+    rows = []
+    for name, g in _class_frames(per):
+        d, m = int(g["num_deadlines"].sum()), int(g["num_missed"].sum())
+        v = g["fluidity_index"].to_numpy(float)
+        rows.append({col.SLO_CLASS: name, "num_requests": len(g), "num_deadlines": d, "num_missed": m,
+                     "fluidity_index": 1 - m / d if d else math.nan,
+                     "mean_request_fluidity": float(v.mean()) if v.size else math.nan,
+                     "p10_request_fluidity": float(np.percentile(v, 10)) if v.size else math.nan})
+    return pd.DataFrame(rows)

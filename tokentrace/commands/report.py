@@ -1,0 +1,95 @@
+"""``tokentrace report``: Markdown / HTML / JSON / JUnit reports of a run, gated by budgets.
+
+Exit codes: 0 when every budget holds (or none was given), 1 when a budget is
+violated (the reports are written first), 2 on bad input (a missing or empty
+store, an unknown run, a run without requests or tokens, a corrupt file, a
+malformed budget file): one sentence on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+
+__all__ = ["register", "report_command", "exit_on_bad_input", "EXIT_VIOLATED", "EXIT_BAD_INPUT"]
+
+EXIT_VIOLATED = 1  # a budget does not hold
+EXIT_BAD_INPUT = 2  # as for command-line usage errors
+
+
+@contextlib.contextmanager
+def exit_on_bad_input() -> Iterator[None]:
+    """Turn bad input into ``error: <sentence>`` on stderr and exit 2; show warnings as one line each.
+
+    Bad input: any ``ValueError`` (``StoreError``, ``ReportInputError``,
+    ``BudgetError``), an ``OSError`` (unreadable store, unwritable output) and
+    DuckDB's read errors on a damaged Parquet file.
+    """
+    import duckdb
+
+    def show(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+        typer.echo(f"warning: {message}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        try:
+            yield
+        except (ValueError, duckdb.IOException, duckdb.InvalidInputException) as err:
+            typer.echo(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        except OSError as err:
+            typer.echo(f"error: {err.filename or 'a file'}: {err.strerror or err}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+def _formats(text: str) -> list[str]:
+    from tokentrace.report import FORMATS, ReportInputError
+
+    chosen = list(dict.fromkeys(f.strip().lower() for f in text.split(",") if f.strip()))
+    unknown = [f for f in chosen if f not in FORMATS]
+    if unknown or not chosen:
+        raise ReportInputError(f"unknown report format {', '.join(unknown) or repr(text)}; "
+                               f"formats: {', '.join(FORMATS)} (comma-separated)")
+    return chosen
+
+
+def report_command(
+    store: Annotated[Path, typer.Argument(help="Store folder (or one run's folder).", show_default=False)],
+    run: Annotated[Optional[str], typer.Option("--run", help="Run id (default: the newest run).")] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", metavar="STORE[:RUN]",
+                                                    help="Run to compare with (default run: its newest).")] = None,
+    budget: Annotated[Optional[Path], typer.Option("--budget", help="TOML budget file (see docs/report.md).")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="Comma-separated: md, html, json, junit.")] = "md",
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder to write the reports into "
+                                                              "(default: one format to stdout).")] = None,
+    slowest: Annotated[int, typer.Option("--slowest", min=1, help="Slowest requests to list.")] = 10,
+) -> None:
+    """Report on a run: latency, SLOs, stage breakdown, queues, cache, tenants, diff; check budgets."""
+    from tokentrace.report import FILE_NAMES, ReportInputError, make_report, render
+
+    with exit_on_bad_input():
+        formats = _formats(fmt)
+        if out is None and len(formats) > 1:
+            raise ReportInputError(f"--out DIR is needed to write more than one format ({', '.join(formats)})")
+        report = make_report(store, run, baseline=baseline, budget_file=budget, num_slowest=slowest)
+        texts = {f: render(report, f) for f in formats}
+        if out is None:
+            typer.echo(texts[formats[0]], nl=False)
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            for f, text in texts.items():
+                (out / FILE_NAMES[f]).write_text(text, encoding="utf-8")
+                typer.echo(f"wrote {out / FILE_NAMES[f]}", err=True)
+    failed = [r for r in report.budgets if not r.passed]
+    for r in failed:
+        typer.echo(f"budget violated: {r.message}", err=True)
+    if failed:
+        raise typer.Exit(EXIT_VIOLATED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report")(report_command)

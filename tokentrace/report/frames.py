@@ -1,0 +1,57 @@
+"""Result tables as text cells: one formatting rule for the Markdown and HTML reports.
+
+Analyzer result columns carry their unit in their name (``*_ms``, ``*_s``,
+``*_rps``) or are shares in 0..1 (``*share``, ``*attainment``, ...), which are
+shown as percentages. Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["PERCENT_SUFFIXES", "format_cell", "frame_cells"]
+
+PERCENT_SUFFIXES: tuple[str, ...] = (
+    "attainment", "hit_rate", "utilisation", "fluidity", "fluidity_index", "rel_change", "relative_error",
+    "reload_ratio",
+)
+"""Columns whose values are fractions 0..1, shown as percentages (as is any column naming a share)."""
+
+
+def _is_percent(column: str) -> bool:
+    return "share" in column or column.endswith(PERCENT_SUFFIXES)
+
+
+def format_cell(value: Any, column: str = "") -> str:
+    """One value as short text: ``-`` for missing, ``31.2%`` for shares, ``1,234`` for counts."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return "-"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value):,}" if abs(int(value)) < 10**12 else str(int(value))
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        if math.isnan(v):
+            return "-"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if _is_percent(column):
+            return f"{v * 100:+.1f}%" if column == "rel_change" else f"{v * 100:.1f}%"
+        if abs(v) >= 100:
+            return f"{v:,.1f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3g}"
+    return str(value)
+
+
+def frame_cells(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows of cells) of ``df``, every value formatted by :func:`format_cell`."""
+    headers = [str(c) for c in df.columns]
+    rows = [[format_cell(v, h) for v, h in zip(row, headers)] for row in df.itertuples(index=False, name=None)]
+    return headers, rows

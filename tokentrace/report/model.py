@@ -1,0 +1,237 @@
+"""The report's data: everything the renderers show, gathered once from a run's analyzers.
+
+:func:`build_report` opens nothing itself: it takes an opened (and checked) run,
+asks the analyzers (through ``Run.analyze()``, imported lazily so the core
+package does not depend on :mod:`analyzers` at import time), flattens the
+numbers budgets can address into :attr:`Report.metrics`, compares with a
+baseline run if one is given, and checks the budgets. Renderers
+(``render_md``, ``render_html``, ``render_json``, ``render_junit``) only format
+a :class:`Report`.
+
+Metric names (the budget namespace, values in ms for times, fractions for shares):
+``<ttft|tpot|itl|e2e>.<mean|p50|p90|p99|p99.9>``,
+``stage.<stage>.<share_of_ttft|share_of_itl|tail_share_of_ttft|tail_share_of_itl>``,
+``unattributed.share``, ``slo.<class>.attainment``, ``slo.<class>.fluidity``
+(class ``all`` = every request, ``none`` = requests without a class), ``goodput.rps`` and ``counters.<name>``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pandas as pd
+
+from tokentrace.report.budget import Budget, BudgetError, BudgetResult, Change, evaluate
+from tokentrace.report.sections import SECTION_BUILDERS, Context, Section, stage_shares
+from tokentrace.manifest import DROPPED, SAMPLED_OUT
+from tokentrace.schema import SPANS, STEPS, col
+
+__all__ = ["RunHeader", "Charts", "Report", "build_report", "run_metrics", "metric_changes", "ALL_CLASSES"]
+
+ALL_CLASSES = "all"
+"""Metric name part standing for every SLO class (the analyzers' ``*`` row)."""
+NO_CLASS = "none"
+"""Metric name part standing for requests without an SLO class."""
+_LATENCY_STATS = {"mean_ms": "mean", "p50_ms": "p50", "p90_ms": "p90", "p99_ms": "p99", "p99.9_ms": "p99.9"}
+_STAGE_STATS = {"ttft_share": "share_of_ttft", "itl_share": "share_of_itl",
+                "ttft_tail_share": "tail_share_of_ttft", "itl_tail_share": "tail_share_of_itl"}
+_NUM_BUCKETS = 60  # time-series points across a run in the HTML charts
+_MIN_BUCKET_S = 1e-3
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunHeader:
+    """Who the run is: id, where, when, with what, and how much it holds."""
+
+    run_id: str
+    path: str
+    created: str | None  # ISO 8601 UTC
+    tokentrace_version: str | None
+    rows: dict[str, int]  # rows per store table
+    instances: tuple[dict[str, Any], ...]  # from the manifest: instance, role, name, pid, host
+    counters: dict[str, int]  # summed over writers: dropped, sampled_out, ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Charts:
+    """Data behind the HTML report's charts (empty frames when the run lacks the tables)."""
+
+    latency: pd.DataFrame  # latency summary: metric, count, mean_ms, p50_ms ... p99.9_ms
+    breakdown: pd.DataFrame  # stage breakdown, stages that took time
+    windows: pd.DataFrame  # latency per time window: window_start_s, metric, p50_ms, p99_ms, ...
+    queues: pd.DataFrame  # queue timeline: instance, t_s, waiting, running, preempted
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Report:
+    """A run's report: header, sections, flat metrics, baseline diff and budget verdicts."""
+
+    run: RunHeader
+    baseline: RunHeader | None
+    sections: tuple[Section, ...]
+    metrics: dict[str, float]
+    diff: pd.DataFrame | None  # the diff analyzer's rows, None without a baseline
+    regressions: tuple[str, ...]  # significant regressions, e.g. "itl p99: 6.0 ms -> 12.1 ms (+101.7%)"
+    budgets: tuple[BudgetResult, ...]
+    charts: Charts
+
+    @property
+    def passed(self) -> bool:
+        """True when every budget holds (and vacuously with no budgets)."""
+        return all(r.passed for r in self.budgets)
+
+    def section(self, key: str) -> Section:
+        for s in self.sections:
+            if s.key == key:
+                return s
+        raise KeyError(f"report has no section {key!r}")
+
+
+def _header(run: Any, rows: dict[str, int]) -> RunHeader:
+    manifest = run.manifest
+    return RunHeader(run_id=run.run_id, path=str(run.path), created=manifest.get("created"),
+                     tokentrace_version=manifest.get("tokentrace_version"), rows=dict(rows),
+                     instances=tuple(run.instances()), counters=dict(run.counters()))
+
+
+def _analysis(run: Any) -> Any:
+    """The run's analysis facade, ``analyzers.facade.RunAnalysis`` (``Run.analyze`` imports it lazily)."""
+    return run.analyze()
+
+
+def _class_name(value: Any) -> str:
+    if value == "*":
+        return ALL_CLASSES
+    return NO_CLASS if value is None or value == "" else str(value)
+
+
+def run_metrics(ctx: Context, counters: dict[str, int]) -> dict[str, float]:
+    """The flat metric namespace budgets address (see the module docstring)."""
+    out: dict[str, float] = {}
+    if ctx.has("latency"):
+        for _, r in ctx.get("latency").iterrows():
+            for column, stat in _LATENCY_STATS.items():
+                if column in r.index:
+                    out[f"{r['metric']}.{stat}"] = float(r[column])
+    if ctx.has("stage_breakdown"):
+        for _, r in ctx.get("stage_breakdown").iterrows():
+            for column, stat in _STAGE_STATS.items():
+                out[f"stage.{r['stage']}.{stat}"] = float(r[column])
+    if ctx.has("unattributed_share"):
+        out["unattributed.share"] = float(ctx.get("unattributed_share"))
+    for method, column, stat in (("slo", "attainment", "attainment"), ("fluidity", "fluidity_index", "fluidity")):
+        if ctx.has(method):
+            for _, r in ctx.get(method).iterrows():
+                out[f"slo.{_class_name(r[col.SLO_CLASS])}.{stat}"] = float(r[column])
+    if ctx.has("goodput"):
+        g = ctx.get("goodput")
+        overall = g[g[col.SLO_CLASS] == "*"]
+        if len(overall):
+            out["goodput.rps"] = float(overall["goodput_rps"].iloc[0])
+    for name, value in counters.items():
+        out[f"counters.{name}"] = float(value)
+    return out
+
+
+def _ci_excludes_zero(row: pd.Series) -> bool:
+    low, high = float(row["ci_low"]), float(row["ci_high"])
+    return (low > 0 or high < 0) if not (math.isnan(low) or math.isnan(high)) else False
+
+
+def metric_changes(metrics: dict[str, float], baseline: dict[str, float],
+                   diff: pd.DataFrame | None) -> dict[str, Change]:
+    """Every metric of both runs as a :class:`Change`; latency statistics take their
+    significance from the diff analyzer's confidence interval when it has a row for them."""
+    changes = {k: Change(baseline[k], v) for k, v in metrics.items() if k in baseline}
+    if diff is not None:
+        for _, r in diff.iterrows():
+            key = f"{r['metric']}.{r['statistic']}"
+            if key in changes:
+                changes[key] = Change(changes[key].baseline, changes[key].candidate, _ci_excludes_zero(r))
+    return changes
+
+
+def _regressions(diff: pd.DataFrame | None) -> tuple[str, ...]:
+    if diff is None or len(diff) == 0:
+        return ()
+    flagged = diff[diff["regression"].astype(bool)]
+    return tuple(f"{r['metric']} {r['statistic']}: {r['baseline']:.3f} ms -> {r['candidate']:.3f} ms "
+                 f"({r['rel_change'] * 100:+.1f}%)" for _, r in flagged.iterrows())
+
+
+def _diff_section(diff: pd.DataFrame | None, regressions: tuple[str, ...], baseline: RunHeader | None) -> Section:
+    title = "Difference from the baseline"
+    if baseline is None:
+        return Section("diff", title, "No baseline run was given (--baseline STORE[:RUN]).")
+    if diff is None:
+        return Section("diff", title, "Not available: this tokentrace build has no diff analyzer.")
+    note = (f"Against run {baseline.run_id}: {len(regressions)} significant regression(s)."
+            " A change is significant when its bootstrap 95% confidence interval excludes 0 and it is at "
+            "least the minimum effect.")
+    shown = diff[diff["significant"].astype(bool)] if len(diff) else diff
+    caption = "Significant changes" if len(shown) else "No significant change"
+    return Section("diff", title, note, ((caption, shown),) if len(shown) else ())
+
+
+def _counters_section(counters: dict[str, int]) -> Section:
+    dropped = {k: v for k, v in counters.items() if k.startswith(DROPPED) or k in (SAMPLED_OUT, "sink_errors")}
+    df = pd.DataFrame({"counter": list(dropped), "value": list(dropped.values())})
+    total = counters.get(DROPPED, 0)
+    note = ("No event was dropped." if total == 0 else
+            f"{total:,} event(s) were dropped by the recorder: the run's figures miss them.")
+    return Section("counters", "Dropped and sampled-out events", note, (("", df),))
+
+
+def _charts(ctx: Context, header: RunHeader) -> Charts:
+    empty = pd.DataFrame()
+    latency = ctx.get("latency") if ctx.has("latency") else empty
+    breakdown = (stage_shares(ctx.get("stage_breakdown"))
+                 if ctx.has("stage_breakdown") and header.rows.get(SPANS.name, 0) else empty)
+    windows = ctx.get("latency", window_s=ctx.bucket_s) if ctx.has("latency") else empty
+    queues = (ctx.get("queues", bucket_s=ctx.bucket_s).timeline
+              if ctx.has("queues") and header.rows.get(STEPS.name, 0) else empty)
+    return Charts(latency=latency, breakdown=breakdown, windows=windows, queues=queues)
+
+
+def _bucket_s(ctx: Context) -> float:
+    """Time-series bucket: the run's duration (goodput analyzer) over _NUM_BUCKETS, at least 1 ms."""
+    if not ctx.has("goodput"):
+        return 1.0
+    g = ctx.get("goodput")
+    duration = float(g["duration_s"].max()) if len(g) else math.nan
+    return max(duration / _NUM_BUCKETS, _MIN_BUCKET_S) if math.isfinite(duration) and duration > 0 else 1.0
+
+
+def build_report(run: Any, rows: dict[str, int], *, baseline: tuple[Any, dict[str, int]] | None = None,
+                 budgets: Sequence[Budget] = (), num_slowest: int = 10) -> Report:
+    """Gather the report of ``run`` (an opened ``Run``; ``rows``: its rows per table).
+
+    ``baseline``: (run, rows) of the run to compare with. Raises ``BudgetError``
+    before any analysis when a regression budget has no baseline. Runs on the
+    caller's thread; blocks while the analyzers read the store.
+    """
+    needs = [b.text for b in budgets if b.is_regression]
+    if needs and baseline is None:
+        raise BudgetError(f"budget {needs[0]!r} compares with a baseline run: pass --baseline STORE[:RUN]")
+    header = _header(run, rows)
+    ctx = Context(_analysis(run), rows, num_slowest=num_slowest)
+    ctx.bucket_s = _bucket_s(ctx)
+    sections = [build(ctx) for build in SECTION_BUILDERS]
+    metrics = run_metrics(ctx, header.counters)
+    diff, base_header, changes = None, None, None
+    if baseline is not None:
+        base_run, base_rows = baseline
+        base_header = _header(base_run, base_rows)
+        base_ctx = Context(_analysis(base_run), base_rows)
+        if ctx.has("diff"):
+            diff = ctx.analysis.diff(base_ctx.analysis)
+        changes = metric_changes(metrics, run_metrics(base_ctx, base_header.counters), diff)
+    regressions = _regressions(diff)
+    sections.append(_diff_section(diff, regressions, base_header))
+    sections.append(_counters_section(header.counters))
+    results = evaluate(tuple(budgets), metrics, changes)
+    return Report(run=header, baseline=base_header, sections=tuple(sections), metrics=metrics, diff=diff,
+                  regressions=regressions, budgets=results, charts=_charts(ctx, header))
+

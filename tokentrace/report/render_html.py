@@ -1,0 +1,174 @@
+"""The report as one self-contained HTML file with Plotly charts.
+
+plotly.js is inlined from the installed ``plotly`` package
+(``plotly.offline.get_plotlyjs()``): the file opens offline, from a CI
+artifact, with no CDN. Charts: latency percentiles, stage shares of TTFT and
+ITL (mean and tail) as stacked bars, latency and queue lengths over time.
+Every table of the Markdown report follows. Pure function of a :class:`Report`;
+plotly is imported inside :func:`render_html`.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import pandas as pd
+
+from tokentrace.report.budget import format_value
+from tokentrace.report.frames import frame_cells
+from tokentrace.report.model import Report
+from tokentrace.schema import UNATTRIBUTED_LABEL, col
+
+__all__ = ["render_html", "html_table"]
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f3f3f3; }
+.pass { color: #1a7f37; } .fail { color: #cf222e; font-weight: bold; }
+.note { color: #555; } .caption { font-weight: bold; margin-top: 1em; }
+"""
+_BARS = (("TTFT mean", "ttft_share"), ("TTFT tail 1%", "ttft_tail_share"),
+         ("ITL mean", "itl_share"), ("ITL tail 1%", "itl_tail_share"))
+_PERCENTILES = ("p50_ms", "p90_ms", "p99_ms", "p99.9_ms")
+
+
+def html_table(df: pd.DataFrame) -> str:
+    """``df`` as an HTML table, every cell escaped."""
+    headers, rows = frame_cells(df)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _figure_html(fig: Any, div_id: str) -> str:
+    fig.update_layout(height=380, margin={"l": 60, "r": 20, "t": 50, "b": 50}, template="plotly_white")
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
+
+
+def _latency_chart(go: Any, df: pd.DataFrame) -> str:
+    if len(df) == 0:
+        return "<p class='note'>No latency samples to chart.</p>"
+    fig = go.Figure()
+    for p in _PERCENTILES:
+        if p in df.columns:
+            fig.add_bar(name=p.removesuffix("_ms"), x=[str(m).upper() for m in df["metric"]], y=df[p])
+    fig.update_layout(title="Latency percentiles (ms, log scale)", barmode="group", yaxis_type="log",
+                      yaxis_title="ms")
+    return _figure_html(fig, "chart-latency")
+
+
+def _breakdown_chart(go: Any, df: pd.DataFrame) -> str:
+    if len(df) == 0:
+        return "<p class='note'>No stage spans to chart.</p>"
+    fig = go.Figure()
+    for _, r in df.iterrows():
+        color = "#999999" if r["stage"] == UNATTRIBUTED_LABEL else None
+        fig.add_bar(name=str(r["stage"]), x=[b for b, _ in _BARS], y=[float(r[c]) * 100 for _, c in _BARS],
+                    marker_color=color)
+    fig.update_layout(title="Where the time went: share of each stage (%)", barmode="stack",
+                      yaxis_title="% of latency", yaxis_range=[0, 100])
+    return _figure_html(fig, "chart-stages")
+
+
+def _timeline_charts(go: Any, windows: pd.DataFrame, queues: pd.DataFrame, names: dict[int, str]) -> str:
+    out = []
+    if len(windows):
+        fig = go.Figure()
+        for metric in ("ttft", "itl"):
+            part = windows[windows["metric"] == metric].sort_values("window_start_s")
+            for p in ("p50_ms", "p99_ms"):
+                fig.add_scatter(x=part["window_start_s"], y=part[p], mode="lines+markers",
+                                name=f"{metric.upper()} {p.removesuffix('_ms')}")
+        fig.update_layout(title="Latency over time (per window)", xaxis_title="s since run start",
+                          yaxis_title="ms")
+        out.append(_figure_html(fig, "chart-latency-time"))
+    if len(queues):
+        fig = go.Figure()
+        for instance, part in queues.groupby(col.INSTANCE_ID):
+            part = part.sort_values("t_s")
+            name = names.get(int(instance), str(instance))
+            fig.add_scatter(x=part["t_s"], y=part[col.NUM_WAITING], mode="lines+markers", name=f"waiting {name}")
+            fig.add_scatter(x=part["t_s"], y=part[col.NUM_RUNNING], mode="lines+markers", name=f"running {name}",
+                            line_dash="dot")
+        fig.update_layout(title="Queue lengths over time (mean per bucket)", xaxis_title="s since run start",
+                          yaxis_title="requests")
+        out.append(_figure_html(fig, "chart-queues"))
+    return "".join(out) or "<p class='note'>No time series: the run has no steps or windows to chart.</p>"
+
+
+def _diff_chart(go: Any, diff: pd.DataFrame | None) -> str:
+    if diff is None or len(diff) == 0:
+        return ""
+    diff = diff[(diff["baseline"].fillna(0) != 0) | (diff["candidate"].fillna(0) != 0)]  # stages neither run had
+    colors = ["#cf222e" if reg else "#1a7f37" if sig else "#999999"
+              for reg, sig in zip(diff["regression"].astype(bool), diff["significant"].astype(bool))]
+    fig = go.Figure()
+    fig.add_bar(x=[f"{m} {s}" for m, s in zip(diff["metric"], diff["statistic"])],
+                y=diff["rel_change"].astype(float) * 100, marker_color=colors, showlegend=False)
+    fig.update_layout(title="Change against the baseline (%): red = significant regression, "
+                            "green = significant improvement", yaxis_title="% change")
+    return _figure_html(fig, "chart-diff")
+
+
+def _instance_names(report: Report) -> dict[int, str]:
+    """Instance id -> name, from the run manifest's instances."""
+    out = {}
+    for inst in report.run.instances:
+        if isinstance(inst.get("instance"), int):
+            out[inst["instance"]] = str(inst.get("name") or inst["instance"])
+    return out
+
+
+def _budgets_html(report: Report) -> str:
+    if not report.budgets:
+        return "<p class='note'>No budgets were checked (--budget FILE).</p>"
+    rows = "".join(
+        f"<tr><td class='{'pass' if r.passed else 'fail'}'>{'pass' if r.passed else 'FAIL'}</td>"
+        f"<td>{html.escape(r.budget.text)}</td><td>{html.escape(format_value(r.actual, r.budget.kind))}</td>"
+        f"<td>{html.escape(r.message)}</td></tr>" for r in report.budgets)
+    verdict = "<p class='pass'>All budgets hold.</p>" if report.passed else "<p class='fail'>Budgets violated.</p>"
+    return f"{verdict}<table><thead><tr><th></th><th>budget</th><th>measured</th><th>detail</th></tr></thead>" \
+           f"<tbody>{rows}</tbody></table>"
+
+
+def _sections_html(report: Report) -> str:
+    parts = []
+    for s in report.sections:
+        if s.key == "diff" and report.baseline is None:
+            continue
+        parts.append(f"<h2 id='{html.escape(s.key)}'>{html.escape(s.title)}</h2>")
+        if s.note:
+            parts.append(f"<p class='note'>{html.escape(s.note)}</p>")
+        for caption, df in s.tables:
+            if caption:
+                parts.append(f"<p class='caption'>{html.escape(caption)}</p>")
+            parts.append(html_table(df))
+    return "".join(parts)
+
+
+def render_html(report: Report) -> str:
+    """The whole report as a standalone HTML document (plotly.js inlined; no network access)."""
+    import plotly.graph_objects as go
+    from plotly.offline import get_plotlyjs
+
+    run = report.run
+    title = f"tokentrace report: run {run.run_id}"
+    baseline = "" if report.baseline is None else f"; baseline run {html.escape(report.baseline.run_id)}"
+    regressions = "".join(f"<li class='fail'>{html.escape(r)}</li>" for r in report.regressions)
+    charts = (_latency_chart(go, report.charts.latency) + _breakdown_chart(go, report.charts.breakdown)
+              + _timeline_charts(go, report.charts.windows, report.charts.queues, _instance_names(report))
+              + _diff_chart(go, report.diff))
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"
+        f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>"
+        f"<h1>{html.escape(title)}</h1><p class='note'>store {html.escape(run.path)}; created "
+        f"{html.escape(run.created or '-')}{baseline}</p>"
+        f"<h2>Budgets</h2>{_budgets_html(report)}"
+        + (f"<h2>Significant regressions</h2><ul>{regressions}</ul>" if regressions else "")
+        + f"<h2>Charts</h2>{charts}{_sections_html(report)}</body></html>\n"
+    )

@@ -1,0 +1,102 @@
+"""The report as GitHub-flavoured Markdown, fit for a CI job summary (``$GITHUB_STEP_SUMMARY``).
+
+Order: run header, budgets verdict (what a reviewer looks at first), regressions
+against the baseline, then every section with its sentence and tables, then
+the flat metrics in a collapsed block. Pure function of a :class:`Report`.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from tokentrace.report.budget import format_value
+from tokentrace.report.frames import frame_cells
+from tokentrace.report.model import Report, RunHeader
+from tokentrace.report.sections import Section
+from tokentrace.schema import REQUESTS, SPANS, TOKENS
+
+__all__ = ["render_markdown", "markdown_table"]
+
+_MAX_ROWS = 50  # rows per table in Markdown; the JSON report has all of them
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(df: pd.DataFrame, *, max_rows: int = _MAX_ROWS) -> str:
+    """``df`` as a pipe table (numbers right-aligned), at most ``max_rows`` rows."""
+    headers, rows = frame_cells(df.head(max_rows))
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+    lines = ["| " + " | ".join(_escape(h) for h in headers) + " |",
+             "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(_escape(c) for c in row) + " |" for row in rows]
+    if len(df) > max_rows:
+        lines.append(f"\n_{len(df) - max_rows} more row(s) in the JSON report._")
+    return "\n".join(lines)
+
+
+def _header(run: RunHeader, baseline: RunHeader | None) -> list[str]:
+    rows = run.rows
+    lines = [f"# tokentrace report: run `{run.run_id}`", "",
+             f"- store: `{run.path}`",
+             f"- created: {run.created or '-'}; tokentrace {run.tokentrace_version or '-'}",
+             f"- {rows.get(REQUESTS.name, 0):,} request rows, {rows.get(TOKENS.name, 0):,} token rows, "
+             f"{rows.get(SPANS.name, 0):,} span rows; {len(run.instances)} instance(s): "
+             + (", ".join(f"{i.get('role', '?')} `{i.get('name', '?')}`" for i in run.instances) or "-")]
+    if baseline is not None:
+        lines.append(f"- baseline: run `{baseline.run_id}` in `{baseline.path}`")
+    return lines + [""]
+
+
+def _budgets(report: Report) -> list[str]:
+    if not report.budgets:
+        return ["## Budgets", "", "No budgets were checked (--budget FILE).", ""]
+    failed = [r for r in report.budgets if not r.passed]
+    verdict = (f"**FAILED**: {len(failed)} of {len(report.budgets)} budget(s) violated." if failed
+               else f"**PASSED**: all {len(report.budgets)} budget(s) hold.")
+    lines = ["## Budgets", "", verdict, "", "| | budget | measured | detail |", "|---|---|---:|---|"]
+    for r in report.budgets:
+        mark = "✅" if r.passed else "❌"
+        lines.append(f"| {mark} | `{_escape(r.budget.text)}` | {format_value(r.actual, r.budget.kind)} | "
+                     f"{_escape(r.message)} |")
+    return lines + [""]
+
+
+def _regressions(report: Report) -> list[str]:
+    if report.baseline is None:
+        return []
+    if not report.regressions:
+        return ["## Regressions", "", f"No significant regression against run `{report.baseline.run_id}`.", ""]
+    lines = ["## Regressions", "", f"Significant regressions against run `{report.baseline.run_id}`:", ""]
+    return lines + [f"- ⚠️ {r}" for r in report.regressions] + [""]
+
+
+def _section(s: Section) -> list[str]:
+    lines = [f"## {s.title}", ""]
+    if s.note:
+        lines += [s.note, ""]
+    for caption, df in s.tables:
+        if caption:
+            lines += [f"**{caption}**", ""]
+        lines += [markdown_table(df), ""]
+    return lines
+
+
+def _metrics(report: Report) -> list[str]:
+    shown = {k: v for k, v in report.metrics.items() if not (k.startswith("stage.") and v == 0)}
+    df = pd.DataFrame({"metric": list(shown), "value": list(shown.values())})
+    return ["<details><summary>All metrics (names usable in budgets)</summary>", "",
+            "Stage shares that are 0 are left out here; the JSON report lists every metric.", "",
+            markdown_table(df, max_rows=len(df) or 1), "", "</details>", ""]
+
+
+def render_markdown(report: Report) -> str:
+    """The whole report as one Markdown document (ends with a newline)."""
+    lines = _header(report.run, report.baseline) + _budgets(report) + _regressions(report)
+    for s in report.sections:
+        if s.key == "diff" and report.baseline is None:
+            continue
+        lines += _section(s)
+    lines += _metrics(report)
+    return "\n".join(lines).rstrip() + "\n"
