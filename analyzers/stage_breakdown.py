@@ -1,7 +1,8 @@
 """Where the time went: each stage's share of TTFT and of inter-token latency.
 
 For every output token (intervals as in :mod:`analyzers.timing`) the stage time
-is the sum of the durations of its spans (``spans.token_index`` = the token);
+is the sum of the durations of its spans (``spans.token_index`` = the token),
+each clipped to the token's interval (:func:`token_spans`);
 ``unattributed`` = token latency - stage time, so shares always add up to 1.
 
 * ``ttft_share(s)``  = sum over requests of s's time in token 0 / sum of TTFTs.
@@ -24,10 +25,10 @@ import pyarrow as pa
 
 from analyzers.groups import group_column, group_sql
 from analyzers.source import Source
-from analyzers.timing import LATENCY, request_table, run_bounds, token_intervals, token_times
+from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, request_table, run_bounds, token_intervals, token_times
 from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
 
-__all__ = ["TAIL_FRACTION", "STAGE_LABELS", "breakdown", "unattributed", "token_stage_times", "stage_breakdown",
+__all__ = ["TAIL_FRACTION", "STAGE_LABELS", "token_spans", "breakdown", "unattributed", "token_stage_times", "stage_breakdown",
            "unattributed_share"]
 
 TAIL_FRACTION = 0.01
@@ -61,42 +62,39 @@ def _materialize_tokens(src: Source, g: str, tail_fraction: float) -> None:
     """)
 
 
-def _stage_sums(src: Source) -> pd.DataFrame:
-    """Per (group, kind, stage): summed span time of the delivered tokens and of the tail tokens.
+def token_spans(src: Source) -> str:
+    """Name of the temp table of span time inside each delivered token's interval.
 
-    Spans are matched to delivered tokens through a per-request index range when the
-    request's delivered tokens are contiguous (the usual case: one hash join on the request
-    id, with the request's tail token indexes carried along as a short list), and token by
-    token for the other requests.
+    Columns: request_id, token_index, stage_id, ns. Each span counts only for its
+    overlap with its token's interval ``[token_start_ns, token_end_ns]`` on the
+    reference clock. In one process that is the whole span; across processes the
+    engine runs ahead of the stream (it computes token i while the gateway still
+    sends token i-1), and the part of a span hidden behind the previous token's
+    delivery is not part of this token's latency.
     """
+    def build() -> str:
+        c = col
+        src.con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE token_spans AS
+            SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}, s.{c.STAGE},
+                   GREATEST(0, LEAST(s.{c.END_NS}, t.{TOKEN_END}) - GREATEST(s.{c.START_NS}, t.{TOKEN_START})) AS ns
+            FROM srv_spans s JOIN {token_times(src)} t USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+        """)
+        return "token_spans"
+    return src.cached("token_spans", build)
+
+
+def _stage_sums(src: Source) -> pd.DataFrame:
+    """Per (group, kind, stage): summed in-interval span time of the delivered tokens and of the tail tokens."""
     c = col
-    dur = f"s.{c.END_NS} - s.{c.START_NS}"
     kind = f"CASE WHEN s.{c.TOKEN_INDEX} = 0 THEN 'ttft' ELSE 'itl' END"
     return src.df(f"""
-        WITH tails AS (
-            SELECT {c.REQUEST_ID}, list({c.TOKEN_INDEX}) AS tail_idx FROM bd_tail GROUP BY {c.REQUEST_ID}
-        ), rng AS (
-            SELECT k.{c.REQUEST_ID}, MIN(k.{c.TOKEN_INDEX}) AS lo, MAX(k.{c.TOKEN_INDEX}) AS hi, COUNT(*) AS n,
-                   ANY_VALUE(k.grp) AS grp, ANY_VALUE(t.tail_idx) AS tail_idx
-            FROM bd_tok k LEFT JOIN tails t USING ({c.REQUEST_ID}) GROUP BY k.{c.REQUEST_ID}
-        ), contiguous AS (
-            SELECT r.grp, {kind} AS kind, s.{c.STAGE} AS stage, SUM({dur})::DOUBLE AS ns,
-                   SUM(CASE WHEN r.tail_idx IS NOT NULL AND list_contains(r.tail_idx, s.{c.TOKEN_INDEX})
-                            THEN {dur} ELSE 0 END)::DOUBLE AS tail_ns
-            FROM srv_spans s JOIN rng r ON s.{c.REQUEST_ID} = r.{c.REQUEST_ID}
-            WHERE r.n = r.hi - r.lo + 1 AND s.{c.TOKEN_INDEX} BETWEEN r.lo AND r.hi
-            GROUP BY ALL
-        ), gappy AS (
-            SELECT k.grp, {kind} AS kind, s.{c.STAGE} AS stage, SUM({dur})::DOUBLE AS ns,
-                   SUM(CASE WHEN t.{c.REQUEST_ID} IS NOT NULL THEN {dur} ELSE 0 END)::DOUBLE AS tail_ns
-            FROM srv_spans s
-            JOIN bd_tok k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
-            LEFT JOIN bd_tail t ON s.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
-            WHERE s.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM rng WHERE n <> hi - lo + 1)
-            GROUP BY ALL
-        )
-        SELECT grp, kind, stage, SUM(ns) AS ns, SUM(tail_ns) AS tail_ns
-        FROM (SELECT * FROM contiguous UNION ALL SELECT * FROM gappy) GROUP BY ALL
+        SELECT k.grp, {kind} AS kind, s.{c.STAGE} AS stage, SUM(s.ns)::DOUBLE AS ns,
+               SUM(CASE WHEN t.{c.REQUEST_ID} IS NOT NULL THEN s.ns ELSE 0 END)::DOUBLE AS tail_ns
+        FROM {token_spans(src)} s
+        JOIN bd_tok k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
+        LEFT JOIN bd_tail t ON s.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+        GROUP BY ALL
     """)
 
 
@@ -165,8 +163,8 @@ def unattributed(src: Source) -> float:
     c = col
     total, missing = src.con.execute(f"""
         WITH st AS (
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM({c.END_NS} - {c.START_NS}) AS ns
-            FROM srv_spans WHERE {c.TOKEN_INDEX} >= 0 GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(ns) AS ns
+            FROM {token_spans(src)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
         )
         SELECT SUM(t.{LATENCY})::DOUBLE, SUM(GREATEST(t.{LATENCY} - COALESCE(st.ns, 0), 0))::DOUBLE
         FROM {token_times(src)} t LEFT JOIN st USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
@@ -183,8 +181,8 @@ def token_stage_times(spans: pa.Table, requests: pa.Table, tokens: pa.Table, ins
     ti = token_intervals(requests, tokens, instances)
     c = col
     per = src.df(f"""
-        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}, SUM({c.END_NS} - {c.START_NS}) AS ns
-        FROM srv_spans WHERE {c.TOKEN_INDEX} >= 0 GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}, SUM(ns) AS ns
+        FROM {token_spans(src)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}
     """)
     out = ti
     if len(per):

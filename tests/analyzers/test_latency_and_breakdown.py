@@ -126,3 +126,13 @@ def test_token_stage_times_has_one_row_per_token(store):
     t = token_stage_times(*store)
     assert len(t) == 5
     assert set(t[col.TOKEN_INDEX]) == {0, 1, 2}
+
+
+def test_span_time_counts_only_inside_its_tokens_interval(store):
+    """An engine span of token 1 that began while token 0 was still being delivered
+    (pipelining across processes) is clipped at token 1's start."""
+    spans, requests, tokens, instances = store
+    early = _table(SPANS, [_span(2, Stage.DECODE_QUEUE, 23 * MS, 25 * MS, 1)])  # before t_0 = 25 ms
+    df = stage_breakdown(pa.concat_tables([spans, early]), requests, tokens, instances).set_index("stage")
+    assert df.loc["decode.queue", "itl_share"] == pytest.approx(3 / 12)  # unchanged: 0 ms inside
+    assert df.loc[UNATTRIBUTED_LABEL, "itl_share"] == pytest.approx(1 / 12)
