@@ -1,0 +1,146 @@
+"""Benchmark: first render of every dashboard view on a store of 1 M requests, in headless Chromium.
+
+1. Writes a synthetic run (``tests/dashboard/synthetic_store.py``: every table of
+   the schema, real store layout) of ``--requests`` requests with their tokens,
+   spans, steps and cache events.
+2. Builds the app and times, in-process, every analyzer call the views make
+   (cold: DuckDB over the Parquet files, nothing cached). This is what
+   ``tokentrace dashboard`` does in the background at start (``warm``).
+3. Serves the app on 127.0.0.1 and loads each view once in a fresh headless
+   Chromium, timing from navigation until every graph is drawn (first render,
+   results served from the server-side cache).
+4. Serves a second app with an empty cache and loads each view once more: the
+   first render of a view nobody has computed yet (analyzer time included).
+
+The last line is ``slowest_view_first_render_s=<s>``: the slowest view of step 3.
+Step 4's figures are printed above it. Target: 3 s per view.
+
+Run: ``.venv/bin/python benchmarks/dashboard.py`` (about 5-10 minutes for 1 M
+requests on 2 CPUs; ``--requests 100000`` for a quick look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "dashboard"))
+
+from browser import visit  # noqa: E402
+from synthetic_store import write_run  # noqa: E402
+
+from dashboard.app import create_app  # noqa: E402
+from dashboard.components.shell import SOURCE_KEY  # noqa: E402
+from dashboard.data import DataSource, warm_calls  # noqa: E402
+
+VIEWS = ("/", "/breakdown", "/explorer", "/queues", "/cache", "/pd-ratio", "/batch", "/tenants")
+TARGET_S = 3.0
+
+
+def _chromium(profile: str):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+                 "--window-size=1400,1000"):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def _serve(app):
+    import threading
+
+    from werkzeug.serving import make_server
+
+    server = make_server("127.0.0.1", 0, app.server, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+def _browse(url: str, paths: list[str], work: Path, tag: str, *, fresh: bool) -> dict[str, float]:
+    """First render of each path: each in a fresh browser profile (``fresh``: nothing in the HTTP cache,
+    so Dash's and Plotly's scripts are fetched and compiled every time) or one after the other in one
+    browser, as a user moving between views (each a full page load; scripts from the HTTP cache)."""
+    times = {}
+    driver = None
+    try:
+        for i, path in enumerate(paths):
+            if driver is None or fresh:
+                if driver is not None:
+                    driver.quit()
+                driver = _chromium(tempfile.mkdtemp(prefix=f"tt-bench-{tag}-{i}-", dir=work))
+            times[path] = visit(driver, url + path, timeout_s=900)
+    finally:
+        if driver is not None:
+            driver.quit()
+    return times
+
+
+def _show(title: str, times: dict[str, float]) -> None:
+    print(title)
+    for path, s in times.items():
+        print(f"  {path:<60} {s:6.2f}{'   over the 3 s target' if s > TARGET_S else ''}")
+
+
+def _time_analyzers(app, run_id: str) -> dict[str, float]:
+    src = app.server.config[SOURCE_KEY]
+    out = {}
+    for method, kwargs in warm_calls(src.info(run_id)):
+        t = time.perf_counter()
+        src.result(run_id, method, **kwargs)
+        out[f"{method}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"] = time.perf_counter() - t
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=1_000_000)
+    ap.add_argument("--tokens", type=float, default=4.0, help="mean output tokens per request")
+    ap.add_argument("--skip-cold", action="store_true", help="skip step 4 (views on an empty cache)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tt-bench-dashboard-"))
+    try:
+        t = time.perf_counter()
+        run = write_run(work / "store", "bench", num_requests=args.requests, mean_output_tokens=args.tokens,
+                        rate_rps=500.0)
+        gen_s = time.perf_counter() - t
+        info = DataSource(work / "store").info("bench")
+        print(f"store: {args.requests:,} requests, rows per table {info.tables}, written in {gen_s:.1f} s")
+        request = str(int(run.request_ids[0]))
+        paths = [p + "?run=bench" for p in VIEWS] + [f"/explorer?run=bench&request={request}"]
+
+        app = create_app(work / "store")
+        analyzer_s = _time_analyzers(app, "bench")
+        print("analyzer calls, cold (s):")
+        for name, s in sorted(analyzer_s.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<50} {s:8.2f}{'   over the 3 s target' if s > TARGET_S else ''}")
+        server, url = _serve(app)
+        warm = _browse(url, paths, work, "warm", fresh=False)
+        _show("first render per view, analyses cached on the server, one browser (s):", warm)
+        _show("the same, each view in a fresh browser profile (s):", _browse(url, paths, work, "fresh", fresh=True))
+        server.shutdown()
+        if not args.skip_cold:
+            server, url = _serve(create_app(work / "store"))
+            cold = _browse(url, paths, work, "cold", fresh=False)
+            server.shutdown()
+            _show("first render per view, nothing cached (analyzers run on demand), one browser (s):", cold)
+        print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+              f"load average {os.getloadavg()[0]:.1f} (other processes compete for the CPUs)")
+        print(f"slowest_view_first_render_s={max(warm.values()):.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

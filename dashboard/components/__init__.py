@@ -1,0 +1,1 @@
+"""Shared widgets of the dashboard: frame, controls, figures, waterfall, explanations."""

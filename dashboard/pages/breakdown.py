@@ -1,0 +1,88 @@
+"""Breakdown: which stages TTFT and ITL are made of, by tenant and SLO class, mean and tail; the critical path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.components.controls import run_picker
+from dashboard.components.explanations import EXPLAIN
+from dashboard.components.figures import explained, graph_or_notice
+from dashboard.components.shell import GROUP_COLUMN, ViewQuery, live_callback, page
+from dashboard.components.waterfall import stage_color
+from dashboard.data import DataSource
+
+PATH = "/breakdown"
+dash.register_page(__name__, path=PATH, name="Breakdown", title="tokentrace · breakdown")
+
+_KINDS = (("ttft", "TTFT"), ("itl", "ITL"))
+_GROUPS = (("", "whole run"), ("tenant", "by tenant"), ("slo_class", "by SLO class"))
+_EPS = 1e-9  # shares below this are left out of the legend
+
+
+def stacked_shares(frame: pd.DataFrame, kind: str, group: str | None, title: str) -> go.Figure:
+    """Stacked bars of stage shares: for each group a ``mean`` and a ``tail`` bar, one trace per stage."""
+    fig = go.Figure()
+    groups = [""] if group is None else sorted(frame[group].astype(str).unique())
+    stages = [s for s in frame["stage"].unique()
+              if frame.loc[frame["stage"] == s, [f"{kind}_share", f"{kind}_tail_share"]].abs().to_numpy().max() > _EPS]
+    for stage in stages:
+        rows = frame[frame["stage"] == stage]
+        x0, x1, y = [], [], []
+        for g in groups:
+            row = rows if group is None else rows[rows[group].astype(str) == g]
+            for label, column in (("mean", f"{kind}_share"), ("tail 1%", f"{kind}_tail_share")):
+                x0.append(g or "all")
+                x1.append(label)
+                y.append(float(row[column].iloc[0]) if len(row) else 0.0)
+        fig.add_trace(go.Bar(x=[x0, x1], y=y, name=stage, marker_color=stage_color(stage)))
+    fig.update_layout(template="plotly_white", barmode="stack", title=title, yaxis_title="share",
+                      yaxis_tickformat=".0%", height=380, margin=dict(l=60, r=20, t=50, b=50),
+                      legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def critical_path_figure(frame: pd.DataFrame) -> go.Figure:
+    """Horizontal stacked bars (p50 and p99 request): the stages of token 0 in order, mean ms each."""
+    fig = go.Figure()
+    for _, row in frame.sort_values(["group", "position"]).iterrows():
+        fig.add_trace(go.Bar(y=[row["group"]], x=[row["mean_ms"]], orientation="h", name=row["stage"],
+                             marker_color=stage_color(row["stage"]),
+                             legendgroup=row["stage"], showlegend=bool(row["group"] == frame["group"].iloc[0]),
+                             hovertemplate=f"{row['stage']}: %{{x:.3f}} ms<extra>{row['group']}</extra>"))
+    fig.update_layout(template="plotly_white", barmode="stack", title="Critical path of the first token",
+                      xaxis_title="ms", height=300, margin=dict(l=60, r=20, t=50, b=50),
+                      legend=dict(orientation="h", y=-0.35))
+    return fig
+
+
+def body(src: DataSource, q: ViewQuery) -> list[Any]:
+    """Stage shares of run ``q.run`` for the whole run, by tenant and by SLO class; its critical path."""
+    rid = src.resolve(q.run)
+    sections = []
+    for by, label in _GROUPS:
+        frame = src.result(rid, "stage_breakdown", by=by or None)
+        group = GROUP_COLUMN.get(by)
+        graphs = [graph_or_notice(frame, f"breakdown-{kind}-{by or 'all'}", lambda f, kind=kind, klabel=klabel:
+                                  stacked_shares(f, kind, group, f"{klabel} by stage, {label}"),
+                                  f"No {klabel} samples in this run.") for kind, klabel in _KINDS]
+        sections.append(explained(f"Stage shares, {label}", EXPLAIN["breakdown"],
+                                  dash.html.Div(graphs, className="tt-row")))
+    path = src.result(rid, "critical_path")
+    sections.append(explained("Critical path", EXPLAIN["critical_path"], graph_or_notice(
+        path, "breakdown-critical-path", critical_path_figure, "No first tokens with stages in this run.")))
+    return sections
+
+
+def controls(src: DataSource, q: ViewQuery) -> list[Any]:
+    return [run_picker(src, q.run)]
+
+
+def layout(**query: str) -> Any:
+    return page(PATH, "Where the time went", query, body, controls)
+
+
+live_callback(PATH, body)

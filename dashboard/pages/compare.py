@@ -1,0 +1,83 @@
+"""Compare: a candidate run against a baseline, each metric's change with its confidence interval; regressions in red."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.components.controls import run_picker
+from dashboard.components.explanations import EXPLAIN
+from dashboard.components.figures import explained, graph, table
+from dashboard.components.shell import ViewQuery, live_callback, notice, page
+from dashboard.data import DataSource
+
+PATH = "/compare"
+dash.register_page(__name__, path=PATH, name="Compare", title="tokentrace · compare runs")
+
+_RED, _GREEN, _GREY = "#d62728", "#2ca02c", "#9e9e9e"
+
+
+def change_figure(frame: pd.DataFrame) -> go.Figure:
+    """Relative change of every significant row (all rows if none is), regressions red, improvements green."""
+    rows = frame[frame["significant"]] if frame["significant"].any() else frame
+    labels = rows["metric"] + " · " + rows["statistic"]
+    colors = [_RED if r else (_GREEN if s else _GREY) for r, s in zip(rows["regression"], rows["significant"])]
+    err = dict(type="data", symmetric=False, array=((rows["ci_high"] - rows["delta"]) / rows["baseline"]).tolist(),
+               arrayminus=((rows["delta"] - rows["ci_low"]) / rows["baseline"]).tolist())
+    fig = go.Figure(go.Bar(y=labels.tolist(), x=rows["rel_change"].tolist(), orientation="h", marker_color=colors,
+                           error_x=err, name="relative change"))
+    fig.update_layout(template="plotly_white", title="Relative change, candidate against baseline (95% CI)",
+                      xaxis_tickformat="+.0%", height=max(300, 26 * len(rows) + 120),
+                      margin=dict(l=200, r=20, t=50, b=50))
+    return fig
+
+
+def _default_base(src: DataSource, q: ViewQuery) -> str:
+    """The baseline: ``q.base``, else the run before the candidate."""
+    if q.base:
+        return src.resolve(q.base)
+    ids = [i.run_id for i in src.runs()]
+    cand = src.resolve(q.run)
+    older = ids[:ids.index(cand)]
+    if not older:
+        raise ValueError("Pick a baseline: the candidate is the oldest run of the store.")
+    return older[-1]
+
+
+def body(src: DataSource, q: ViewQuery) -> list[Any]:
+    """The diff of run ``q.run`` (candidate) against ``q.base`` (baseline)."""
+    cand = src.resolve(q.run)
+    if len(src.runs()) < 2:
+        return [notice("This store holds one run: there is nothing to compare it with.")]
+    base = _default_base(src, q)
+    if base == cand:
+        return [notice("Baseline and candidate are the same run: pick two different runs.")]
+    diff = src.diff(cand, base)
+    if len(diff) == 0:
+        return [notice("The two runs have no latency samples to compare.")]
+    regressions = diff[diff["regression"]]
+    summary = (f"{len(regressions)} significant regression(s) of {cand} against {base}: "
+               + ", ".join(regressions["metric"] + " " + regressions["statistic"])
+               if len(regressions) else f"No significant regression of {cand} against {base}.")
+    return [dash.html.P(summary, id="compare-summary",
+                        className="tt-regressions" if len(regressions) else "tt-no-regressions"),
+            explained("Changes", EXPLAIN["compare"], graph(change_figure(diff), "compare-changes"),
+                      table(diff, "compare-table", page_size=40, highlight="regression"))]
+
+
+def controls(src: DataSource, q: ViewQuery) -> list[Any]:
+    try:
+        base = _default_base(src, q)
+    except ValueError:
+        base = None
+    return [run_picker(src, base, name="base", label="Baseline"), run_picker(src, q.run, label="Candidate")]
+
+
+def layout(**query: str) -> Any:
+    return page(PATH, "Compare runs", query, body, controls)
+
+
+live_callback(PATH, body)

@@ -1,0 +1,125 @@
+"""Overview: a run's headline latency percentiles, SLO attainment, goodput and throughput over time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+import pandas as pd
+
+from dashboard.components.controls import grouping_picker, run_picker
+from dashboard.components.explanations import EXPLAIN
+from dashboard.components.figures import bars, explained, fmt, graph_or_notice, kpis, lines
+from dashboard.components.shell import GROUP_COLUMN, GROUPINGS, ViewQuery, live_callback, notice, page
+from dashboard.data import DataSource, series_window_s
+from tokentrace.manifest import DROPPED, SAMPLED_OUT
+from tokentrace.schema import col
+
+PATH = "/"
+dash.register_page(__name__, path=PATH, name="Overview", title="tokentrace · overview")
+
+_ALL = "*"  # the analyzers' row for all SLO classes together
+_SERIES = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "End-to-end"))
+
+
+def _pct(frame: pd.DataFrame, metric: str, column: str) -> Any:
+    rows = frame[frame["metric"] == metric]
+    return None if rows.empty else rows[column].iloc[0]
+
+
+def _all_row(frame: pd.DataFrame, column: str) -> Any:
+    rows = frame[frame[col.SLO_CLASS] == _ALL]
+    return None if rows.empty else rows[column].iloc[0]
+
+
+def _headline(src: DataSource, rid: str) -> list[Any]:
+    lat = src.result(rid, "latency")
+    slo = src.result(rid, "slo")
+    good = src.result(rid, "goodput")
+    cards = []
+    for metric, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "E2E")):
+        cards.append((f"{label} p50", fmt(_pct(lat, metric, "p50_ms"), "ms")))
+        cards.append((f"{label} p99", fmt(_pct(lat, metric, "p99_ms"), "ms")))
+    attainment = _all_row(slo, "attainment")
+    cards.append(("SLO attainment", fmt(None if attainment is None else 100 * attainment, "%")))
+    cards.append(("goodput", fmt(_all_row(good, "goodput_rps"), "req/s", 2)))
+    cards.append(("throughput", fmt(_all_row(good, "request_rate_rps"), "req/s", 2)))
+    return [kpis(cards, kpi_id="overview-kpis")]
+
+
+def _counters(src: DataSource, rid: str) -> list[Any]:
+    counters = src.open(rid).counters()
+    lost = {k: counters.get(k, 0) for k in (DROPPED, SAMPLED_OUT) if counters.get(k, 0)}
+    if not lost:
+        return []
+    text = ", ".join(f"{v:,} events {k.replace('_', ' ')}" for k, v in lost.items())
+    return [explained("Missing events", EXPLAIN["counters"], notice(f"This run has {text}.", kind="error"))]
+
+
+def _series(src: DataSource, rid: str) -> list[Any]:
+    w = series_window_s(src.info(rid).duration_ns)
+    frame = src.result(rid, "latency", window_s=w)
+    graphs = []
+    for metric, label in _SERIES:
+        rows = frame[frame["metric"] == metric] if len(frame) else frame
+        graphs.append(graph_or_notice(
+            rows, f"overview-series-{metric}",
+            lambda r, label=label: lines(r, "window_start_s", ["p50_ms", "p99_ms"], title=f"{label} per {w} s window",
+                                         xaxis="s since the run started", yaxis="ms"),
+            f"No {label} samples in this run."))
+    return [explained("Over time", EXPLAIN["latency_series"], html_row(graphs))]
+
+
+def html_row(children: list[Any]) -> Any:
+    """Children side by side."""
+    return dash.html.Div(children, className="tt-row")
+
+
+def _slo(src: DataSource, rid: str) -> list[Any]:
+    slo = src.result(rid, "slo")
+    good = src.result(rid, "goodput")
+    slo, good = _all_label(slo), _all_label(good)
+    return [explained("SLO attainment and goodput", EXPLAIN["slo"] + " " + EXPLAIN["goodput"], html_row([
+        graph_or_notice(slo, "overview-slo", lambda f: bars(
+            f, col.SLO_CLASS, ["ttft_attainment", "tpot_attainment", "attainment"], title="SLO attainment by class",
+            yaxis="share of requests", names=["TTFT met", "TPOT met", "both met"]), "No requests to judge."),
+        graph_or_notice(good, "overview-goodput", lambda f: bars(
+            f, col.SLO_CLASS, ["request_rate_rps", "goodput_rps"], title="Throughput and goodput by class",
+            yaxis="requests/s", names=["completed", "met both SLOs"]), "No requests to judge."),
+    ]))]
+
+
+def _all_label(frame: pd.DataFrame) -> pd.DataFrame:
+    """The analyzers' all-classes row relabelled for display."""
+    return frame.assign(**{col.SLO_CLASS: frame[col.SLO_CLASS].replace({_ALL: "all classes"})}) if len(frame) else frame
+
+
+def _grouped(src: DataSource, rid: str, by: str) -> list[Any]:
+    if not by:
+        return []
+    frame = src.result(rid, "latency", by=by)
+    group = GROUP_COLUMN[by]
+    graphs = []
+    for metric, label in _SERIES:
+        rows = frame[frame["metric"] == metric] if len(frame) else frame
+        graphs.append(graph_or_notice(rows, f"overview-by-{metric}", lambda r, label=label: bars(
+            r, group, ["p50_ms", "p99_ms"], title=f"{label} {GROUPINGS[by]}", yaxis="ms"), f"No {label} samples."))
+    return [explained(f"Latency {GROUPINGS[by]}", EXPLAIN["latency"], html_row(graphs))]
+
+
+def body(src: DataSource, q: ViewQuery) -> list[Any]:
+    """The overview of run ``q.run``."""
+    rid = src.resolve(q.run)
+    return (_headline(src, rid) + _counters(src, rid) + _series(src, rid) + _slo(src, rid)
+            + _grouped(src, rid, q.by))
+
+
+def controls(src: DataSource, q: ViewQuery) -> list[Any]:
+    return [run_picker(src, q.run), grouping_picker(q)]
+
+
+def layout(**query: str) -> Any:
+    return page(PATH, "Overview", query, body, controls)
+
+
+live_callback(PATH, body)

@@ -1,0 +1,51 @@
+"""Tenants and fairness: latency per tenant, shares of requests, tokens and compute, Jain's index, noisy neighbours."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+
+from dashboard.components.controls import run_picker
+from dashboard.components.explanations import EXPLAIN
+from dashboard.components.figures import bars, explained, graph_or_notice, table
+from dashboard.components.shell import ViewQuery, live_callback, notice, page
+from dashboard.data import DataSource
+from tokentrace.schema import col
+
+PATH = "/tenants"
+dash.register_page(__name__, path=PATH, name="Tenants", title="tokentrace · tenants and fairness")
+
+
+def body(src: DataSource, q: ViewQuery) -> list[Any]:
+    """Tenant analyses of run ``q.run``."""
+    rid = src.resolve(q.run)
+    rep = src.result(rid, "tenants")
+    lat = rep.latency
+    ttft = lat[lat["metric"] == "ttft"] if len(lat) else lat
+    latency = graph_or_notice(ttft, "tenants-latency", lambda f: bars(
+        f, col.TENANT, ["p50_ms", "p90_ms", "p99_ms"], title="TTFT per tenant", yaxis="ms"),
+        "No requests with a first token in this run.")
+    shares = graph_or_notice(rep.shares, "tenants-shares", lambda f: bars(
+        f, col.TENANT, ["request_share", "token_share", "compute_share"], title="Shares per tenant", yaxis="share"),
+        "No tenants in this run.")
+    jain = graph_or_notice(rep.jain, "tenants-jain", lambda f: bars(
+        f, "basis", ["jain_index"], title="Jain's fairness index", yaxis="J (1 = fair)"), "No tenants in this run.")
+    noisy = src.result(rid, "noisy_neighbours")
+    noisy_part = (table(noisy, "tenants-noisy", highlight="flagged") if len(noisy)
+                  else notice("Fewer than two tenants or time windows: no neighbours to compare."))
+    return [explained("Latency per tenant", EXPLAIN["tenant_latency"], latency),
+            explained("Shares", EXPLAIN["tenant_shares"], shares),
+            explained("Fairness", EXPLAIN["jain"], jain),
+            explained("Noisy neighbours", EXPLAIN["noisy"], noisy_part)]
+
+
+def controls(src: DataSource, q: ViewQuery) -> list[Any]:
+    return [run_picker(src, q.run)]
+
+
+def layout(**query: str) -> Any:
+    return page(PATH, "Tenants and fairness", query, body, controls)
+
+
+live_callback(PATH, body)
