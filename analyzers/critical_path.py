@@ -100,8 +100,11 @@ def slowest_requests(src: Source, n: int = 10) -> pd.DataFrame:
             GROUP BY {c.REQUEST_ID}, {c.STAGE}
         """)
         src.con.unregister("slow_ids")
-        pos = {rid: i for i, rid in enumerate(top[c.REQUEST_ID])}
-        for rid, stage, ms in zip(per[c.REQUEST_ID], per["stage"], per["ms"]):
-            top.loc[pos[rid], Stage(int(stage)).label] = ms
+        if len(per):
+            wide = per.pivot_table(index=c.REQUEST_ID, columns="stage", values="ms", aggfunc="sum")
+            wide.columns = [Stage(int(s)).label for s in wide.columns]
+            wide = wide.reindex(top[c.REQUEST_ID]).fillna(0.0)
+            for label in wide.columns:
+                top[label] = wide[label].to_numpy()
     top[UNATTRIBUTED_LABEL] = top["e2e_ms"] - top[labels].sum(axis=1)
     return top
