@@ -10,7 +10,7 @@ reference clock (:func:`analyzers.align.align`):
 * server TTFT and ITL_i = the server's token latencies (:func:`analyzers.timing.token_intervals`:
   arrival -> token 0 delivered, delivered(i-1) -> delivered(i));
 * server stage sum = the sum of the durations of the token's spans (``spans.token_index`` = i),
-  the quantity the stage breakdown attributes;
+  each clipped to the token's interval: the quantity the stage breakdown attributes;
 * differences are server - client: a TTFT difference is normally negative (the
   client also waits for the network and for the server's accept/parse), an ITL
   difference is centred on zero (jitter of delivery).
@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from analyzers.align import align, client_instance_ids
 from analyzers.timing import LATENCY, token_intervals
-from tokentrace.schema import REQUESTS, SPANS, TOKENS, col
+from tokentrace.schema import REQUESTS, TOKENS, col
 
 __all__ = ["client_token_times", "token_agreement", "ttft_agreement", "itl_agreement", "agreement_summary",
            "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS"]
@@ -82,17 +82,20 @@ def client_token_times(requests: pa.Table, tokens: pa.Table, instances: pa.Table
     return recv[[col.REQUEST_ID, col.TOKEN_INDEX, CLIENT_NS]].reset_index(drop=True)
 
 
-def _stage_sums(spans: pa.Table | None, instances: pa.Table) -> pd.DataFrame | None:
+def _stage_sums(spans: pa.Table | None, requests: pa.Table, tokens: pa.Table,
+                instances: pa.Table) -> pd.DataFrame | None:
+    """Per server token: its stage time, each span clipped to the token's interval (as the breakdown does)."""
     if spans is None or spans.num_rows == 0:
         return None
-    clients = client_instance_ids(instances)
-    sp = align(spans, SPANS.name, instances)
-    if clients:
-        sp = _only(sp, clients, False)
-    df = sp.select([col.REQUEST_ID, col.TOKEN_INDEX, col.START_NS, col.END_NS]).to_pandas()
-    df = df[df[col.TOKEN_INDEX] >= 0]
-    df[STAGE_SUM_NS] = df[col.END_NS] - df[col.START_NS]
-    return df.groupby([col.REQUEST_ID, col.TOKEN_INDEX], as_index=False)[STAGE_SUM_NS].sum()
+    from analyzers.source import Source
+    from analyzers.stage_breakdown import token_spans
+
+    src = Source.of_tables(spans=spans, requests=requests, tokens=tokens, instances=instances)
+    c = col
+    return src.df(f"""
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(ns)::BIGINT AS {STAGE_SUM_NS}
+        FROM {token_spans(src)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+    """)
 
 
 def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
@@ -108,7 +111,7 @@ def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
     out = client.merge(server, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")
     out[SERVER_NS] = out[SERVER_NS].astype("int64")
     out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]
-    sums = _stage_sums(spans, instances)
+    sums = _stage_sums(spans, requests, tokens, instances)
     if sums is not None:
         sums[col.TOKEN_INDEX] = sums[col.TOKEN_INDEX].astype("int64")
         out = out.merge(sums, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="left")
