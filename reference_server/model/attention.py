@@ -12,9 +12,18 @@ the chunk. The new tokens' K/V are first written into the cache, then read back
 with the rest of the context, so prefill, chunked prefill and decode share one
 code path per layer:
 
-* one-token chunks (decode) are batched together: their blocks are gathered
-  into ``(num_decode, max_blocks * block_size, n_kv, head_dim)`` and masked;
-* longer chunks (prefill) run one by one with a ``(chunk_len, context_len)`` mask.
+* one-token chunks (decode) are grouped into a few *buckets* of similar
+  context length (:func:`plan_decode_buckets`), so a short context is not padded
+  to the longest one in the step. Each layer gathers every bucket's keys and
+  values with one ``index_select`` over a flat block index (built once per step,
+  shared by all layers, since block tables are the same in every layer) and runs
+  one SDPA call per bucket, masked only when some row of the bucket is padded.
+  Whole blocks are gathered, not single slots: on CPU, copying 16-slot runs is
+  about twice as fast as 1-slot runs once the cache is out of the CPU caches;
+* longer chunks (prefill) run one by one through SDPA's fused CPU/CUDA kernel,
+  in tiles of queries each over only the keys it may see, masked by slices of a
+  ``(chunk_len, context_len)`` mask; a chunk starting at position 0 needs no
+  gather (its keys are exactly the new ones).
 
 :func:`build_attention_metadata` computes every index and mask once per step;
 each layer reuses them.
@@ -67,6 +76,20 @@ class PrefillGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeBucket:
+    """Decode rows of similar context length, attended with one SDPA call (all layers)."""
+
+    token_rows: torch.Tensor  # (num_rows,) int64 rows of these one-token chunks in the batch
+    offset: int  # first entry of this bucket in AttentionMetadata.decode_block_ids
+    num_rows: int
+    num_blocks: int  # blocks gathered per row: those of the longest context in the bucket
+    max_len: int  # the longest context in the bucket, tokens
+    # (num_rows, 1, 1, num_blocks * block_size) bool, True = real key; None when no key is
+    # padding, or for a single row (its keys are then cut to max_len instead).
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Where a step's tokens go in the paged cache and what each may attend to.
 
@@ -80,6 +103,18 @@ class AttentionMetadata:
     prefills: tuple[PrefillGroup, ...]
     num_tokens: int
     buffers: GatherBuffers | None = None  # scratch for gathers; None = allocate each time
+    # Decode rows grouped by context length; bucket b's keys are the cache blocks
+    # decode_block_ids[b.offset : b.offset + b.num_rows * b.num_blocks], row-major (row,
+    # block); a row's padding blocks repeat its last block (masked out, but finite data).
+    decode_buckets: tuple[DecodeBucket, ...] = ()
+    decode_block_ids: torch.Tensor | None = None  # (sum of num_rows * num_blocks,) int64
+
+
+# Fixed cost of one more decode bucket per layer (an SDPA call, two index ops),
+# in key slots of padding it is worth: roughly 60 us per bucket per layer against
+# 0.45 us per gathered-and-attended key slot (small preset, 1 CPU thread); 32 and
+# 512 were both slower than 128 on the Azure-trace steps of benchmarks/engine.py.
+DEFAULT_BUCKET_OVERHEAD_SLOTS = 128
 
 
 def build_attention_metadata(
@@ -90,6 +125,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     buffers: GatherBuffers | None = None,
+    bucket_overhead_slots: int = DEFAULT_BUCKET_OVERHEAD_SLOTS,
 ) -> AttentionMetadata:
     """Index tensors for a batch of chunks, in the order given.
 
@@ -97,6 +133,8 @@ def build_attention_metadata(
     ``[start_positions[i], start_positions[i] + chunk_lens[i])`` of the sequence
     whose blocks are ``block_tables[i]``. The caller has validated lengths and
     block ids (see ModelRunner); this function does not check them again.
+    ``bucket_overhead_slots`` tunes decode bucketing (see :func:`plan_decode_buckets`);
+    it changes speed only, never results.
     """
     slot_mapping: list[int] = []
     decode_rows: list[int] = []
@@ -113,18 +151,83 @@ def build_attention_metadata(
         else:
             prefills.append(_prefill_group(row, length, start, table, block_size, device))
         row += length
-    decode_tables, decode_mask = _decode_indices(
-        [start_positions[i] + 1 for i in decode_chunks],
-        [block_tables[i] for i in decode_chunks], block_size, device)
+    decode_lens = [start_positions[i] + 1 for i in decode_chunks]
+    decode_tables = [block_tables[i] for i in decode_chunks]
+    padded_tables, decode_mask = _decode_indices(decode_lens, decode_tables, block_size, device)
+    buckets, decode_block_ids = _decode_buckets(
+        decode_rows, decode_lens, decode_tables, block_size, bucket_overhead_slots, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         decode_token_idx=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-        decode_block_tables=decode_tables,
+        decode_block_tables=padded_tables,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
         num_tokens=row,
         buffers=buffers,
+        decode_buckets=buckets,
+        decode_block_ids=decode_block_ids,
     )
+
+
+def plan_decode_buckets(context_lens: Sequence[int], *, block_size: int,
+                        overhead_slots: int) -> list[list[int]]:
+    """Split decode rows into buckets minimising gathered key slots plus a per-bucket cost.
+
+    Returns lists of indices into ``context_lens``, each in ascending index order;
+    buckets are ordered by context length. A bucket costs ``rows * padded length
+    + overhead_slots``, the padded length being its longest context rounded up to
+    whole blocks; the split minimising the total is found exactly by dynamic
+    programming over the rows sorted by length (O(n^2) for n rows). Rows with the
+    same block count are never split. ``overhead_slots`` 0 gives one bucket per
+    distinct block count. Raises ValueError when ``overhead_slots`` is negative or
+    ``block_size`` is not positive.
+    """
+    if overhead_slots < 0 or block_size <= 0:
+        raise ValueError(f"need overhead_slots >= 0 and block_size > 0, got "
+                         f"{overhead_slots} and {block_size}")
+    order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
+    padded = [-(-context_lens[i] // block_size) * block_size for i in order]
+    # best[j]: cheapest split of the j shortest rows; cut[j]: start of its last bucket.
+    best = [0] * (len(padded) + 1)
+    cut = [0] * (len(padded) + 1)
+    for j in range(1, len(padded) + 1):
+        best[j], cut[j] = min(
+            (best[i] + (j - i) * padded[j - 1] + overhead_slots, i)
+            for i in range(j) if i == 0 or padded[i] != padded[i - 1])
+    buckets: list[list[int]] = []
+    j = len(padded)
+    while j:
+        buckets.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return buckets[::-1]
+
+
+def _decode_buckets(rows: list[int], context_lens: list[int], tables: list[Sequence[int]],
+                    block_size: int, overhead_slots: int, device: torch.device,
+                    ) -> tuple[tuple[DecodeBucket, ...], torch.Tensor | None]:
+    """Buckets of decode rows and the flat block index of all their keys (see AttentionMetadata)."""
+    if not rows:
+        return (), None
+    buckets: list[DecodeBucket] = []
+    block_ids: list[int] = []
+    plan = plan_decode_buckets(context_lens, block_size=block_size, overhead_slots=overhead_slots)
+    for members in plan:
+        lens = [context_lens[m] for m in members]
+        max_len = max(lens)
+        num_blocks = -(-max_len // block_size)
+        offset = len(block_ids)
+        for m in members:
+            own = tables[m][:-(-context_lens[m] // block_size)]
+            block_ids.extend(own)
+            block_ids.extend([own[-1]] * (num_blocks - len(own)))  # padding: finite, masked
+        mask = None
+        if len(members) > 1 and min(lens) != num_blocks * block_size:
+            key_pos = torch.arange(num_blocks * block_size, device=device)
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+            mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]  # (n, 1, 1, nb * bs)
+        token_rows = torch.tensor([rows[m] for m in members], dtype=torch.int64, device=device)
+        buckets.append(DecodeBucket(token_rows, offset, len(members), num_blocks, max_len, mask))
+    return tuple(buckets), torch.tensor(block_ids, dtype=torch.int64, device=device)
 
 
 def _prefill_group(row: int, length: int, start: int, table: Sequence[int],
@@ -169,15 +272,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     (RoPE already applied). Returns ``(num_tokens, n_heads, head_dim)``.
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if not meta.prefills:  # a pure decode step: no scatter needed
-        return _decode_attention(q, k_cache, v_cache, meta)
+    buckets = meta.decode_buckets
+    if not meta.prefills and len(buckets) == 1:  # one bucket holds every row, in order
+        return _decode_bucket_attention(q, *_gather_decode_kv(k_cache, v_cache, meta),
+                                        buckets[0]).reshape(q.shape)
     out = torch.empty_like(q)
-    if meta.decode_token_idx.numel():
-        out.index_copy_(0, meta.decode_token_idx, _decode_attention(
-            q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta))
+    if buckets:
+        keys, values = _gather_decode_kv(k_cache, v_cache, meta)
+        for bucket in buckets:
+            rows = q.index_select(0, bucket.token_rows)  # (n, n_heads, head_dim)
+            out.index_copy_(0, bucket.token_rows, _decode_bucket_attention(
+                rows, keys, values, bucket).reshape(rows.shape))
     for group in meta.prefills:
-        out[group.token_start:group.token_end] = _prefill_attention(
-            q[group.token_start:group.token_end], k_cache, v_cache, group, meta.buffers)
+        start, end = group.token_start, group.token_end
+        out[start:end] = _prefill_attention(
+            q[start:end], k[start:end], v[start:end], k_cache, v_cache, group,
+            meta.buffers)[0].transpose(0, 1)  # (chunk_len, n_heads, head_dim)
     return out
 
 
@@ -197,32 +307,74 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str,
     return blocks.view(block_ids.shape[0], -1, cache.shape[2], cache.shape[3])
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
-    n_dec, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[2]
-    group = num_heads // num_kv
-    tables = meta.decode_block_tables  # (n_dec, max_blocks)
-    keys = _gather_blocks(k_cache, tables, "k", meta.buffers).transpose(1, 2)
-    values = _gather_blocks(v_cache, tables, "v", meta.buffers).transpose(1, 2)
-    # keys, values: (n_dec, n_kv, max_blocks * block_size, head_dim)
+def _gather_decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of every decode bucket: one index_select each, ``(total_blocks, bs, n_kv, hd)``."""
+    block_ids = meta.decode_block_ids
+    assert block_ids is not None, "decode buckets without a block index"
+    keys = _gather_blocks(k_cache, block_ids[None], "k", meta.buffers)[0]
+    values = _gather_blocks(v_cache, block_ids[None], "v", meta.buffers)[0]
+    shape = (block_ids.shape[0], *k_cache.shape[1:])  # (total_blocks, bs, n_kv, hd)
+    return keys.view(shape), values.view(shape)
+
+
+def _decode_bucket_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             bucket: DecodeBucket) -> torch.Tensor:
+    """One bucket's decode rows ``q`` ``(n, n_heads, hd)`` -> ``(n, n_kv, group, hd)``.
+
+    ``keys``/``values``: the gathered blocks of all buckets, ``(total_blocks, bs, n_kv, hd)``.
+    """
+    n, num_kv, head_dim = bucket.num_rows, keys.shape[2], keys.shape[3]
+    span = slice(bucket.offset, bucket.offset + n * bucket.num_blocks)
+    k = keys[span].view(n, -1, num_kv, head_dim)  # (n, num_blocks * bs, n_kv, hd)
+    v = values[span].view(n, -1, num_kv, head_dim)
+    if bucket.mask is None:  # one row (or no padding): cut to the real keys
+        k, v = k[:, :bucket.max_len], v[:, :bucket.max_len]
     # The query heads sharing a KV head act as that head's "query length", so GQA
-    # needs no repeated keys: (n_dec, n_kv, group, head_dim).
-    queries = q.view(n_dec, num_kv, group, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
-    return out.reshape(n_dec, num_heads, head_dim)  # (n_dec, n_heads, head_dim)
+    # needs no repeated keys: (n, n_kv, group, head_dim).
+    queries = q.view(n, num_kv, q.shape[1] // num_kv, head_dim)
+    return F.scaled_dot_product_attention(
+        queries, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask)
 
 
-def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       group: PrefillGroup, buffers: GatherBuffers | None) -> torch.Tensor:
+# Queries per SDPA call in a prefill chunk. CPU flash attention splits keys in runs
+# of 512, so a causal chunk under ~512 tokens computes its whole square; tiles of
+# 64 queries, each over only the keys it may see, took about a third less CPU time
+# on a 500-token chunk (small preset, 1 thread).
+PREFILL_QUERY_TILE = 64
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, group: PrefillGroup,
+                       buffers: GatherBuffers | None) -> torch.Tensor:
+    """One chunk: q ``(chunk_len, n_heads, hd)``, its new k, v ``(chunk_len, n_kv, hd)``.
+
+    A chunk from position 0 attends only to its own keys: no gather. 4-D inputs
+    keep SDPA on its fused (flash) kernel; 3-D ones fall back to the unfused
+    math path on CPU. Returns ``(1, n_heads, chunk_len, head_dim)``.
+    """
+    chunk_len = q.shape[0]
     ctx = group.context_len
-    ids = group.block_ids[None]  # (1, num_blocks)
-    keys = _gather_blocks(k_cache, ids, "k", buffers)[0, :ctx]  # (ctx, n_kv, head_dim)
-    values = _gather_blocks(v_cache, ids, "v", buffers)[0, :ctx]  # (ctx, n_kv, head_dim)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # (heads, T, hd)
-        attn_mask=group.mask, enable_gqa=True)  # (n_heads, chunk_len, head_dim)
-    return out.transpose(0, 1)  # (chunk_len, n_heads, head_dim)
+    if ctx == chunk_len:
+        keys, values = k, v  # (ctx, n_kv, head_dim)
+    else:
+        ids = group.block_ids[None]  # (1, num_blocks)
+        keys = _gather_blocks(k_cache, ids, "k", buffers)[0, :ctx]  # (ctx, n_kv, head_dim)
+        values = _gather_blocks(v_cache, ids, "v", buffers)[0, :ctx]  # (ctx, n_kv, head_dim)
+    queries = q.transpose(0, 1)[None]  # (1, n_heads, chunk_len, head_dim)
+    keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # (1, n_kv, ctx, hd)
+    if chunk_len <= PREFILL_QUERY_TILE and ctx == chunk_len:
+        return F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                              enable_gqa=True)
+    out = q.new_empty((1, q.shape[1], chunk_len, q.shape[2]))
+    start = ctx - chunk_len  # position of the chunk's first token
+    for first in range(0, chunk_len, PREFILL_QUERY_TILE):
+        last = min(chunk_len, first + PREFILL_QUERY_TILE)
+        visible = start + last  # keys [0, visible) are all this tile may attend to
+        out[:, :, first:last] = F.scaled_dot_product_attention(
+            queries[:, :, first:last], keys[:, :, :visible], values[:, :, :visible],
+            attn_mask=group.mask[first:last, :visible], enable_gqa=True)
+    return out
 
 
 def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -165,3 +165,39 @@ def test_random_mixed_batches_match_dense(data, block_size: int) -> None:
                           torch.cat([v[s:] for _, _, v, s in seqs]), k_cache, v_cache, meta)
     expected = torch.cat([dense_attention_reference(q, k, v)[s:] for q, k, v, s in seqs])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _long_mixed_batch(bucket_overhead_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows of very different context lengths (several length buckets) and prefill
+    chunks longer than one query tile, with and without a cached prefix."""
+    block_size = 4
+    # (total tokens after this step, start of the new chunk)
+    shapes = [(3, 2), (41, 40), (90, 89), (151, 150), (150, 0), (170, 20)]
+    needed = [-(-n // block_size) for n, _ in shapes]
+    gen = torch.Generator().manual_seed(7)
+    perm = torch.randperm(sum(needed) + 3, generator=gen).tolist()
+    shape = (len(perm), block_size, NUM_KV, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, generator=gen) * 100, torch.randn(shape, generator=gen) * 100
+    seqs, tables, used = [], [], 0
+    for (n, start), count in zip(shapes, needed):
+        table = tuple(perm[used:used + count])
+        used += count
+        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen) for h in (NUM_HEADS, NUM_KV, NUM_KV))
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(start)],
+                             dtype=torch.int64)
+        write_kv(k[:start], v[:start], k_cache, v_cache, slots)
+        seqs.append((q, k, v, start))
+        tables.append(table)
+    meta = build_attention_metadata(
+        [n - s for n, s in shapes], [s for _, s in shapes], tables, block_size=block_size,
+        device=torch.device("cpu"), buffers=GatherBuffers(), bucket_overhead_slots=bucket_overhead_slots)
+    out = paged_attention(torch.cat([q[s:] for q, _, _, s in seqs]), torch.cat([k[s:] for _, k, _, s in seqs]),
+                          torch.cat([v[s:] for _, _, v, s in seqs]), k_cache, v_cache, meta)
+    expected = torch.cat([dense_attention_reference(q, k, v)[s:] for q, k, v, s in seqs])
+    return out, expected
+
+
+def test_decode_buckets_and_tiled_long_prefill_match_dense() -> None:
+    for overhead in (0, 128, 10_000):  # one bucket per length, the default, a single bucket
+        out, expected = _long_mixed_batch(overhead)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
