@@ -7,9 +7,11 @@ adapters of the ``instrument`` package. Importing this module imports
 neither, so ``import tokentrace`` stays light for servers that record into a
 custom sink.
 
-Supported targets today: ``None`` (the manual API only) and the reference
+Supported targets today: ``None`` (the manual API only), the reference
 engine (``reference_server.engine.engine.Engine``, or an ``AsyncEngine``
-wrapping one), traced by ``instrument.reference_engine.EngineTracer``.
+wrapping one), traced by ``instrument.reference_engine.EngineTracer``, and
+the reference serving stack's objects (gateway app, ``LocalBackend``, worker),
+traced by the adapters ``instrument.reference_serving`` picks.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ SUPPORTED_TARGETS = (
     "None (manual API: tokentrace.span(), tokentrace.stage(), ...)",
     "reference_server.engine.engine.Engine",
     "reference_server.engine.async_engine.AsyncEngine",
+    "reference_server.serving.gateway.create_app(...) app, or its Gateway",
+    "reference_server.serving.backend.LocalBackend",
+    "reference_server.serving.worker.Worker",
 )
 
 
@@ -114,6 +119,16 @@ def _reference_engine(target: Any) -> Any:
     return target if isinstance(target, Engine) else None
 
 
+def _serving_kind(target: Any) -> str | None:
+    """The kind of reference serving object ``target`` is, or None."""
+    module = type(target).__module__
+    if not module.startswith(("reference_server.", "starlette.")) and module != "__main__":
+        return None  # never import the reference server for someone else's object
+    from instrument.reference_serving import serving_kind
+
+    return serving_kind(target)
+
+
 def _unsupported(target: Any) -> None:
     raise TypeError(
         f"tokentrace.instrument() has no adapter for {type(target).__name__} objects; "
@@ -121,11 +136,16 @@ def _unsupported(target: Any) -> None:
     )
 
 
-def _attach(target: Any, recorder: Recorder) -> tuple[Any, Callable[[], None]]:
+def _attach(target: Any, recorder: Recorder, role: Role) -> tuple[Any, Callable[[], None]]:
     """Attach the adapter for ``target``; (adapter, detach). ``TypeError`` if there is none."""
     engine = _reference_engine(target)
     if engine is None:
-        _unsupported(target)
+        if _serving_kind(target) is None:
+            _unsupported(target)
+        from instrument.reference_serving import attach_serving
+
+        tracers = attach_serving(target, recorder, role=role)
+        return tracers, tracers.detach
     from instrument.reference_engine import EngineTracer
 
     tracer = EngineTracer(recorder)
@@ -146,7 +166,7 @@ def instrument(
     store: str | os.PathLike[str] | None = None,
     run: str | None = None,
     sink: Sink | None = None,
-    role: Role | str = "colocated",
+    role: Role | str | None = None,
     name: str | None = None,
     instance_id: int | None = None,
     trace_config: Mapping[str, Any] | None = None,
@@ -158,8 +178,9 @@ def instrument(
     ``run`` of that Parquet store) or ``sink`` (any ``Sink``) must be given.
     ``target``: the server to trace (see ``SUPPORTED_TARGETS``); None records
     only what the manual API is given. ``role``: ``gateway``, ``prefill``,
-    ``decode``, ``colocated``, ``client`` or ``other``; ``name`` defaults to
-    ``<role>-<pid>``. ``instance_id``: only with a plain sink (default: the
+    ``decode``, ``colocated``, ``client`` or ``other`` (default: what a serving
+    target does, e.g. a worker's role, else ``colocated``); ``name`` defaults
+    to a worker's name, else ``<role>-<pid>``. ``instance_id``: only with a plain sink (default: the
     sink's ``instance_id`` attribute if it has one, else a random 63-bit id); a
     store writer chooses its own. ``trace_config``: JSON-serializable facts
     about the run (workload, settings) for the store's manifest; only with
@@ -169,13 +190,20 @@ def instrument(
     ``ValueError`` for bad arguments; creating the store may raise ``OSError``.
     Nothing stays bound or attached when it raises.
     """
-    if target is not None and _reference_engine(target) is None:
+    if target is not None and _reference_engine(target) is None and _serving_kind(target) is None:
         _unsupported(target)
     unknown = sorted(set(options) - set(RECORDER_OPTIONS))
     if unknown:
         raise TypeError(f"unknown instrument() options {unknown}; valid: {', '.join(RECORDER_OPTIONS)}")
-    the_role = _role(role)
-    name = f"{the_role.label}-{os.getpid()}" if name is None else name
+    serving = target is not None and _reference_engine(target) is None
+    if role is None and serving:
+        from instrument.reference_serving import default_role
+
+        role = default_role(target)
+    the_role = _role("colocated" if role is None else role)
+    if name is None:
+        worker_name = getattr(target, "name", None) if serving else None
+        name = worker_name if isinstance(worker_name, str) else f"{the_role.label}-{os.getpid()}"
     sink, instance_id = _open_sink(store, run, sink, instance_id, trace_config,
                                    dict(options, role=the_role.label, name=name))
     recorder = Recorder(sink, instance_id=instance_id, **options)
@@ -183,7 +211,7 @@ def instrument(
     adapter, detach = None, None
     if target is not None:
         try:
-            adapter, detach = _attach(target, recorder)
+            adapter, detach = _attach(target, recorder, the_role)
         except BaseException:
             recorder.close()
             raise

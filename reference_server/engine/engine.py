@@ -286,9 +286,10 @@ class Engine:
             text += stop.flush()
         self._counters["generated"] += 1
         index = seq.num_output_tokens - 1
+        emit_ns = time.monotonic_ns()  # engine monotonic clock: the token is handed out
         if self._observers:
             self._emit("on_token_emitted", TokenEmitted(
-                seq.request_id, step, index, token, text, sampled_ns, time.monotonic_ns()))
+                seq.request_id, step, index, token, text, sampled_ns, emit_ns))
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._detok[seq.request_id]
@@ -299,7 +300,7 @@ class Engine:
                     time.monotonic_ns()))
         return RequestOutput(
             seq.request_id, index, token, text, reason is not None, None if reason is None else reason.value,
-            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, emit_ns)
 
     # ------------------------------------------------------------------ offline API, stats
 

@@ -24,6 +24,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    emit_ns: int = -1  # engine monotonic clock: when the engine handed the token out (TokenEmitted.emit_ns)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,8 @@ class _ControllerSink:
         self.worker, self.wid = worker, wid
 
     def on_output(self, output: RequestOutput) -> None:
-        # Stamped on the engine thread right after the step, before the hop to the event loop.
-        self.worker._threadsafe(self.worker._send_token, self.wid, output, time.monotonic_ns())
+        # The engine's own emit time travels with the token (worker monotonic clock).
+        self.worker._threadsafe(self.worker._send_token, self.wid, output, output.emit_ns)
 
     def on_handoff(self, state: PrefilledKV) -> None:
         self.worker._threadsafe(self.worker._start_push, self.wid, state)

@@ -177,7 +177,9 @@ def test_a_writer_killed_mid_write_leaves_only_whole_files(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a half-written file being read would warn
         steps = open_run(tmp_path).table(STEPS.name, columns=[col.STEP]).column(0).to_pylist()
-    assert printed[-1] <= len(steps) <= printed[-1] + 20_000  # at most the one write in flight
+    # Every acknowledged write is there. (More may be: the flush thread can finish several
+    # writes before a starved main thread prints their count.)
+    assert printed[-1] <= len(steps)
     assert sorted(steps) == list(range(len(steps)))  # every part whole, none twice
 
 

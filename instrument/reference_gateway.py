@@ -1,0 +1,274 @@
+"""Adapter: the reference gateway's observer hooks -> gateway stages, sent tokens, requests.
+
+:class:`GatewayTracer` subscribes to ``reference_server.serving.gateway_hooks``
+events (all on the gateway's event loop, gateway monotonic clock, ns) and
+records, per request (``request_id_of`` of the gateway's request id, the same
+key the engines use, so rows of every process join):
+
+Token 0 (all spans carry ``token_index`` 0), before the engine:
+
+* ``gateway.receive``  ``[received, tokenize start)``: headers, body, validation;
+* ``gateway.tokenize`` ``[tokenize start, tokenize end)``;
+* ``gateway.route``    ``[tokenize end, handed over)``: building the request,
+  choosing the instance and handing it to the backend: until the engine took it
+  (an in-process engine's acceptance; a worker's ``Routed.accepted_ns``, mapped
+  onto this clock), else until the backend's own route decision ended.
+
+Each streamed token i, after the engine emitted it:
+
+* ``stream.send`` ``[max(hand-out_i, sent_{i-1}), detok start)``: the relay from
+  the engine to the gateway and the wait on the gateway's loop. The hand-out is
+  the in-process engine's emit time (:class:`TokenRelay`), or the worker's
+  ``ChunkWritten.emitted_ns`` mapped onto this clock with the worker's offset
+  from the backend's heartbeat ``ClockSample`` events (:class:`WorkerClocks`);
+  failing both, the gateway's receipt;
+* ``detokenize`` ``[detok start, detok end)``: token -> SSE chunk;
+* ``stream.send`` ``[write start, write end)``: the write to the client;
+* a ``tokens`` row with ``sent_ns`` = write end: the token's delivery time,
+  which analyzers prefer over the engine's emit time.
+
+Disaggregated serving: ``transfer.kv`` of the decode worker's first token k,
+``[prefill worker's hand-out of token k-1, first KV chunk reached the decode
+worker)`` with the bytes, from the relayed ``KVTransferStart`` event; only this
+process knows both workers' clocks. The decode worker records the rest of the
+move (:mod:`instrument.reference_cluster`).
+
+A non-streamed answer gets one request-level ``stream.send`` span (token index
+-1) for its body write. The ``requests`` row (gateway view: arrival = headers
+received, first token = first chunk written, finish, status, prompt and output
+token counts, tenant, SLO class, W3C trace id of the ``traceparent`` header) is
+written when the request finishes.
+
+Per-token spans of the engine and of the gateway overlap in time when the
+engine runs ahead of the stream (it computes token i while the gateway still
+sends token i-1); the token interval ``(sent_{i-1}, sent_i]`` then contains
+only the part after ``sent_{i-1}``: analyzers clip spans to token intervals.
+
+Contract: every method runs on the gateway's event-loop thread, never blocks
+and never raises into the gateway (the gateway also counts observer errors).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from reference_server.serving import gateway_hooks as gh
+
+from instrument.reference_cluster import TokenRelay
+from tokentrace.recorder import Recorder
+from tokentrace.schema import RequestStatus, Stage, Tier, request_id_of
+
+__all__ = ["GatewayTracer", "WorkerClocks", "trace_id_of"]
+
+_OUTCOME_STATUS = {
+    "stop": RequestStatus.OK,
+    "length": RequestStatus.OK,
+    "aborted": RequestStatus.ABORTED,
+    "error": RequestStatus.ERROR,
+    "rejected": RequestStatus.REJECTED,
+}
+_HEX = frozenset("0123456789abcdef")
+
+
+def trace_id_of(traceparent: str | None) -> str:
+    """The 32-hex-digit trace id of a W3C ``traceparent`` header; "" if absent or malformed."""
+    if not traceparent:
+        return ""
+    parts = traceparent.strip().lower().split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or not set(parts[1]) <= _HEX or parts[1] == "0" * 32:
+        return ""
+    return parts[1]
+
+
+class WorkerClocks:
+    """Live offsets of worker clocks to this (gateway) process's clock.
+
+    Fed with the backend's ``ClockSample`` events (its heartbeat pings, every
+    0.2 s by default); per worker the sample with the smallest round trip among
+    the last ``window`` wins (a worker's busy event loop delays some answers, which
+    widens their round trip; a long window finds a quick one, a bounded one follows
+    the slow drift between hosts' clocks). Event-loop thread.
+    """
+
+    def __init__(self, window: int = 128) -> None:
+        self._samples: dict[str, deque[Any]] = {}
+        self._best: dict[str, int] = {}  # instance -> worker minus gateway, ns
+        self._window = window
+
+    def add(self, sample: Any) -> None:
+        window = self._samples.setdefault(sample.instance, deque(maxlen=self._window))
+        window.append(sample)
+        best = min(window, key=lambda s: s.round_trip_ns)
+        self._best[sample.instance] = int(best.offset_ns)
+
+    def to_gateway(self, instance: str, worker_ns: int) -> int:
+        """``worker_ns`` (clock of ``instance``) on the gateway clock; -1 if no sample yet."""
+        offset = self._best.get(instance)
+        return -1 if offset is None or worker_ns < 0 else worker_ns - offset
+
+
+@dataclass(slots=True)
+class _Handoff:
+    """The decode worker's receipt of a request's KV (disaggregated), gateway clock."""
+
+    decode: str  # the decode worker
+    end_ns: int  # the first KV chunk reached it (it records the rest of the move itself)
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class _GReq:
+    """What the gateway tracer keeps per in-flight request."""
+
+    rid: int
+    arrival_ns: int  # gateway monotonic clock, ns
+    trace_id: str
+    tenant: str = ""
+    slo_class: str = ""
+    cursor_ns: int = -1  # end of the last gateway span (route end, then the last token's send)
+    tokenized: bool = False
+    first_sent_ns: int = -1
+    handoff: _Handoff | None = None  # until transfer.kv is recorded
+    out_ns: int = -1  # the worker handed out the latest token (gateway clock), -1 = unknown
+    out_index: int = -1
+    out_instance: str = ""
+
+
+class GatewayTracer(gh.GatewayObserver):
+    """Records a reference gateway's activity on ``recorder``.
+
+    Attach with ``app.state.gateway.add_observer(GatewayTracer(recorder))``; usually
+    done by ``tokentrace.instrument(app, ...)``. ``relay``: the in-process engine's
+    emit times (``LocalBackend``), else None.
+    """
+
+    def __init__(self, recorder: Recorder, *, relay: TokenRelay | None = None) -> None:
+        self._rec = recorder
+        self._relay = relay
+        self._reqs: dict[str, _GReq] = {}
+        self.clocks = WorkerClocks()
+
+    def on_clock_sample(self, event: Any) -> None:
+        """Backend observer event (a heartbeat ping of a worker): refresh its clock offset."""
+        self.clocks.add(event)
+
+    def on_kv_transfer_start(self, event: Any) -> None:
+        """Relayed worker event: the decode worker got the first KV chunk (on its clock)."""
+        g = self._reqs.get(event.request_id)
+        if g is None or event.direction != "recv":
+            return
+        end_ns = self.clocks.to_gateway(event.instance, event.t_ns)
+        if end_ns >= 0:
+            g.handoff = _Handoff(event.instance, end_ns, event.num_bytes)
+            self._record_handoff(g)
+
+    def _record_handoff(self, g: _GReq) -> None:
+        """``transfer.kv`` of the decode worker's first token: from the prefill worker's
+        hand-out of the token before it until the first KV chunk reached the decode worker."""
+        h = g.handoff
+        if h is None or g.out_ns < 0 or g.out_instance == h.decode:
+            return  # wait for the prefill worker's token
+        g.handoff = None
+        if h.end_ns > g.out_ns:
+            self._rec.span(g.rid, Stage.TRANSFER_KV, g.out_ns, h.end_ns, g.out_index + 1, -1, h.num_bytes,
+                           Tier.REMOTE)
+
+    def _from_worker(self, instance: str, worker_ns: int) -> int:
+        """A worker-clock time carried by a serving event, on this clock; -1 if unknown."""
+        if worker_ns < 0 or self._relay is not None:
+            return -1
+        return self.clocks.to_gateway(instance, worker_ns)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._reqs)
+
+    def on_request_received(self, event: gh.RequestReceived) -> None:
+        self._reqs[event.request_id] = _GReq(request_id_of(event.request_id), event.t_ns,
+                                             trace_id_of(event.traceparent), event.tenant or "")
+
+    def on_request_parsed(self, event: gh.RequestParsed) -> None:
+        g = self._reqs.get(event.request_id)
+        if g is not None:
+            g.tenant, g.slo_class = event.tenant, event.slo_class
+
+    def on_tokenized(self, event: gh.Tokenized) -> None:
+        g = self._reqs.get(event.request_id)
+        if g is None:
+            return
+        rec = self._rec
+        if event.start_ns > g.arrival_ns:
+            rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.arrival_ns, event.start_ns, 0)
+        rec.span(g.rid, Stage.GATEWAY_TOKENIZE, event.start_ns, event.end_ns, 0)
+        g.cursor_ns = event.end_ns
+        g.tokenized = True
+
+    def on_routed(self, event: gh.Routed) -> None:
+        g = self._reqs.get(event.request_id)
+        if g is None or g.cursor_ns < 0:
+            return
+        end_ns = event.end_ns
+        accepted = self._from_worker(event.instance, getattr(event, "accepted_ns", -1))
+        if accepted > g.cursor_ns:  # the worker's own tiling starts when it accepted the request
+            end_ns = accepted
+        relay = self._relay
+        if relay is not None:
+            added = relay.added.pop(event.request_id, -1)
+            if added >= 0:
+                end_ns = added  # handed over = the in-process engine accepted it (same clock)
+        if end_ns > g.cursor_ns:
+            self._rec.span(g.rid, Stage.GATEWAY_ROUTE, g.cursor_ns, end_ns, 0)
+        g.cursor_ns = -1  # the engine's spans cover the rest of token 0 up to its emit
+
+    def on_chunk_written(self, event: gh.ChunkWritten) -> None:
+        g = self._reqs.get(event.request_id)
+        if g is None:
+            return
+        rec, i = self._rec, event.index
+        relay_start = event.received_ns
+        emitted = self._from_worker(event.instance, getattr(event, "emitted_ns", -1))
+        if emitted >= 0:
+            g.out_ns, g.out_index, g.out_instance = emitted, i, event.instance
+            if g.handoff is not None:
+                self._record_handoff(g)
+        if 0 <= emitted < relay_start:  # the relay from the worker, on this clock (+- rtt/2)
+            relay_start = emitted
+        relay = self._relay
+        if relay is not None:
+            emits = relay.emits.get(event.request_id)
+            emit_ns = emits.pop(i, -1) if emits is not None else -1
+            if emit_ns >= 0:
+                relay_start = emit_ns
+        if g.cursor_ns > relay_start:  # token i's interval starts when token i-1 was sent
+            relay_start = g.cursor_ns
+        if event.detok_start_ns > relay_start:
+            rec.span(g.rid, Stage.STREAM_SEND, relay_start, event.detok_start_ns, i)
+        rec.span(g.rid, Stage.DETOKENIZE, event.detok_start_ns, event.detok_end_ns, i)
+        rec.span(g.rid, Stage.STREAM_SEND, event.write_start_ns, event.write_end_ns, i, -1, event.num_bytes)
+        rec.token(g.rid, i, sent_ns=event.write_end_ns)
+        g.cursor_ns = event.write_end_ns
+        if g.first_sent_ns < 0:
+            g.first_sent_ns = event.write_end_ns
+
+    def on_response_written(self, event: gh.ResponseWritten) -> None:
+        g = self._reqs.get(event.request_id)
+        if g is not None:
+            self._rec.span(g.rid, Stage.STREAM_SEND, event.write_start_ns, event.write_end_ns, -1, -1,
+                           event.num_bytes)
+
+    def on_request_finished(self, event: gh.GatewayRequestFinished) -> None:
+        g = self._reqs.pop(event.request_id, None)
+        if self._relay is not None:
+            self._relay.forget(event.request_id)
+        if g is None:
+            return
+        rec = self._rec
+        if not g.tokenized and event.t_ns > g.arrival_ns:  # refused while reading or validating
+            rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.arrival_ns, event.t_ns, -1)
+        rec.request_begin(event.request_id, tenant=g.tenant, slo_class=g.slo_class, arrival_ns=g.arrival_ns,
+                          num_prompt_tokens=event.num_prompt_tokens, trace_id=g.trace_id)
+        rec.request_end(g.rid, finish_ns=event.t_ns, status=_OUTCOME_STATUS.get(event.outcome, RequestStatus.ERROR),
+                        first_token_ns=g.first_sent_ns, num_output_tokens=event.num_output_tokens,
+                        error=event.error or "")

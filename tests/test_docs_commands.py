@@ -1,0 +1,209 @@
+"""Every shell command in README.md and docs/*.md runs as written, here or in a named test.
+
+The shell blocks (```bash / ```sh / ```shell) of the user documentation are
+extracted; each one must appear in :data:`COVERAGE`, keyed by the file and the
+block's first line, either
+
+* ``RUN``: this test runs the whole block with bash in a scratch folder that
+  holds what the docs assume (the venv's ``tokentrace`` and ``python`` first on
+  PATH, ``.venv`` linked to it, the real-run fixture as ``traces/``,
+  ``demo-store/``, ``stores/ci`` and ``stores/main``, and any file a doc says
+  to "save as"), and checks its exit status; or
+* ``Covered(test, why)``: a command that cannot run here (the set-up commands,
+  which CI itself runs; long-running servers; a third-party server) and the
+  test that exercises the same path, which must exist.
+
+A new or edited block without an entry fails :func:`test_every_shell_block_is_covered`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_RUN = REPO / "tests" / "data" / "real_run" / "mooncake-disagg"
+STORES = ("traces", "demo-store", "stores/ci", "stores/main")  # store folders the docs' commands name
+SHELL_FENCE = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
+PYTHON_FENCE = re.compile(r"save as\s*`([\w.-]+\.py)`\)?:?\s*```python\n(.*?)```", re.S)
+TOML_FENCE = re.compile(r"```toml\n(.*?)```", re.S)
+
+
+@dataclass(frozen=True, slots=True)
+class Covered:
+    """The block is exercised by ``test`` (``path::name``) because ``why``."""
+
+    test: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run the block here; its exit status must be one of ``codes``."""
+
+    codes: tuple[int, ...] = (0,)
+    timeout_s: float = 120.0
+
+
+RUN = Run()
+
+COVERAGE: dict[tuple[str, str], Run | Covered] = {
+    ("README.md", "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[server,dashboard]' "
+                  "&& .venv/bin/tokentrace demo"): Covered(
+        "tests/test_demo.py::test_every_role_of_the_deployment_is_traced_into_one_run",
+        "set-up: CI creates the venv with the same pip line (tests/test_readme.py); the demo itself, reduced, "
+        "is tests/test_demo.py, and with the dashboard it runs until Ctrl-C"),
+    ("README.md", "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e "
+                  "'.[server,dashboard,test]' && .venv/bin/python -m pytest -q"): Covered(
+        "tests/test_readme.py::test_ci_runs_exactly_the_readme_test_command",
+        "this is the command CI runs (.ci/run); running it here would run the suite inside itself"),
+    ("README.md", ".venv/bin/tokentrace runs traces/"): RUN,
+    ("docs/instrument-otel.md", "python toy_server.py &"): Covered(
+        "tests/instrument/test_asgi.py::test_streaming_request_records_every_chunk_usage_and_receive",
+        "starts a server on the fixed port 8000 in the background; the middleware on a streaming app is "
+        "tested in-process"),
+    ("docs/instrument-otel.md", "tokentrace ingest-otlp --listen 127.0.0.1:4318 --store traces --run vllm-run-1"):
+        Covered("tests/instrument/test_otel.py::test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads",
+                "a long-running receiver, then `vllm serve`, a third-party GPU server not installed here"),
+    ("docs/instrument-serving.md", "tokentrace run --store traces -- python -m reference_server --mode disagg "
+                                   "--prefill 1 --decode 2"): Covered(
+        "tests/instrument/test_reference_serving.py::test_disaggregated_cluster_with_a_skewed_worker_clock",
+        "a long-running server; the second line traces the user's own my_server.py "
+        "(tests/tokentrace/commands/test_run.py covers --run and --sample)"),
+    ("docs/report.md", "tokentrace report stores/ci --baseline stores/main --budget tokentrace.toml \\"):
+        Run(codes=(0, 1)),  # exit 1 = a budget failed, which is what the CI step reports
+    ("docs/instrumenting.md", "tokentrace run --store traces --run disagg -- python -m reference_server --mode "
+                              "disagg --prefill 1 --decode 1 --model tiny --port 8000"): Covered(
+        "tests/test_demo.py::test_every_role_of_the_deployment_is_traced_into_one_run",
+        "a long-running server; the demo starts the same command (tokentrace run around a disaggregated "
+        "reference server) and stops it with SIGINT"),
+    ("docs/instrumenting.md", "tokentrace bench --url http://127.0.0.1:8000 --workload mooncake --max-requests 10 "
+                              "--length-scale 0.015625 --store traces --run disagg"): Covered(
+        "tests/test_demo.py::test_server_ttft_and_itl_agree_with_the_client",
+        "needs the server of the previous block; the demo replays Mooncake through the same bench machinery "
+        "into the server's run and the report is read from it"),
+    ("docs/instrumenting.md", "python my_engine.py && tokentrace report traces --run my-engine"): RUN,
+    ("docs/instrumenting.md", "tokentrace ingest-otlp --listen 127.0.0.1:4318 --store traces --run vllm-1"): Covered(
+        "tests/instrument/test_otel.py::test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads",
+        "a long-running receiver on a fixed port; the test starts the same receiver on a free port"),
+    ("docs/instrumenting.md", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf vllm serve "
+                              "meta-llama/Llama-3.2-1B-Instruct --otlp-traces-endpoint "
+                              "http://127.0.0.1:4318/v1/traces"): Covered(
+        "tests/instrument/test_otel.py::test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads",
+        "vLLM is a third-party GPU server, not a dependency; the receiver is tested with the protobuf and "
+        "JSON bodies vLLM's exporter sends"),
+    ("docs/quickstart.md", "tokentrace demo --no-dashboard"): Covered(
+        "tests/test_demo.py::test_the_report_is_printed",
+        "the full demo runs for minutes; the test runs the same code path reduced (10 requests, tiny model)"),
+    ("docs/quickstart.md", "tokentrace runs demo-store"): RUN,
+    ("docs/quickstart.md", "tokentrace dashboard demo-store --port 8050"): Covered(
+        "tests/dashboard/test_command.py::test_binds_loopback_by_default",
+        "serves until Ctrl-C; tests/test_demo.py::test_the_dashboard_step_serves_the_store_until_ctrl_c "
+        "serves the real-run fixture and stops it with SIGINT"),
+    ("docs/scaling.md", "python - <<'EOF'"): RUN,
+    ("docs/scaling.md", "tokentrace run --store traces --sample 0.1 -- python -m reference_server --mode disagg "
+                        "--prefill 1 --decode 1 --port 8000"): Covered(
+        "tests/tokentrace/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",
+        "a long-running server; that test checks --sample reaches every traced process, tests/test_demo.py "
+        "runs tokentrace run around the disaggregated server"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    file: str  # relative to the repository root
+    text: str
+
+    @property
+    def first_line(self) -> str:
+        return self.text.strip().splitlines()[0].strip()
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}:{self.first_line[:60]}"
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def shell_blocks() -> list[Block]:
+    out = []
+    for path in doc_files():
+        for m in SHELL_FENCE.finditer(path.read_text(encoding="utf-8")):
+            if m.group(1).strip():
+                out.append(Block(str(path.relative_to(REPO)), m.group(1)))
+    return out
+
+
+BLOCKS = shell_blocks()
+RUN_BLOCKS = [b for b in BLOCKS if isinstance(COVERAGE.get((b.file, b.first_line)), Run)]
+
+
+def test_every_shell_block_is_covered():
+    missing = [b.id for b in BLOCKS if (b.file, b.first_line) not in COVERAGE]
+    assert not missing, ("shell blocks with no entry in COVERAGE (run them here or name the test that "
+                         "covers them):\n" + "\n".join(missing))
+    assert len(BLOCKS) >= 10
+
+
+def test_allow_listed_blocks_name_tests_that_exist():
+    for (file, first), entry in COVERAGE.items():
+        if not isinstance(entry, Covered):
+            continue
+        path, _, name = entry.test.partition("::")
+        source = REPO / path
+        assert source.is_file(), f"{file}: {first!r} names {entry.test}, whose file is missing"
+        assert re.search(rf"^def {re.escape(name)}\(", source.read_text(encoding="utf-8"), re.M), \
+            f"{file}: {first!r} names {entry.test}, which does not exist"
+        assert entry.why
+
+
+def test_no_entry_is_stale():
+    present = {(b.file, b.first_line) for b in BLOCKS}
+    stale = [f"{f}: {line}" for f, line in COVERAGE if (f, line) not in present]
+    assert not stale, "COVERAGE entries whose block is gone from the docs:\n" + "\n".join(stale)
+
+
+def _venv_bin() -> Path:
+    """The folder of this interpreter: the venv's bin, holding ``tokentrace`` and ``python``."""
+    return Path(sys.executable).parent
+
+
+def _scratch(tmp_path: Path, doc: Path) -> Path:
+    """A folder holding what the docs' commands assume."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").mkdir()
+    (work / ".venv" / "bin").symlink_to(_venv_bin(), target_is_directory=True)
+    for store in STORES:
+        shutil.copytree(FIXTURE_RUN, work / store / FIXTURE_RUN.name)
+    text = doc.read_text(encoding="utf-8")
+    for name, body in PYTHON_FENCE.findall(text):
+        (work / name).write_text(body, encoding="utf-8")
+    toml = TOML_FENCE.findall(text)
+    if toml:
+        (work / "tokentrace.toml").write_text(toml[0], encoding="utf-8")
+    return work
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+def test_command_runs_as_written(block: Block, tmp_path: Path):
+    entry = COVERAGE[(block.file, block.first_line)]
+    assert isinstance(entry, Run)
+    work = _scratch(tmp_path, REPO / block.file)
+    env = {**os.environ, "PATH": f"{_venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}",
+           "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["bash", "-c", block.text], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=entry.timeout_s)
+    assert proc.returncode in entry.codes, f"{block.id} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n" \
+                                           f"{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.strip() or (tmp_path / "summary.md").is_file(), f"{block.id} printed nothing"

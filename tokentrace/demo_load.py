@@ -1,0 +1,97 @@
+"""The demo's load: a slice of the Mooncake conversation trace, several tenants and SLO classes.
+
+Built with the load generator's own machinery (:mod:`tokentrace.bench`), run in
+the demo's process, recording the client's view into the same store run as the
+traced server. The tenants file the server reads and the tenant mix the client
+sends come from one table, :data:`DEMO_TENANTS`, so keys always match.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+__all__ = ["DEMO_TENANTS", "DEMO_SLO_MIX", "DemoTenant", "LoadSpec", "write_tenants_file", "build_load_plan",
+           "run_load"]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoTenant:
+    """A tenant of the demo: name, API key, share of the requests, scheduling weight, default class."""
+
+    name: str
+    api_key: str
+    share: float
+    weight: float
+    default_slo_class: str
+
+
+DEMO_TENANTS: tuple[DemoTenant, ...] = (
+    DemoTenant("acme", "sk-demo-acme", 0.5, 2.0, "interactive"),  # the big interactive customer
+    DemoTenant("globex", "sk-demo-globex", 0.3, 1.0, "interactive"),
+    DemoTenant("initech", "sk-demo-initech", 0.2, 1.0, "batch"),  # offline summarisation jobs
+)
+DEMO_SLO_MIX: dict[str, float] = {"interactive": 0.7, "batch": 0.3}
+"""Share of requests per SLO class (the ``X-SLO-Class`` header each request sends)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What to replay and how it is scaled to the machine."""
+
+    trace: Path
+    num_requests: int
+    time_scale: float  # x trace arrival times (< 1: faster)
+    length_scale: float  # x prompt and output lengths
+    block_size: int = 16  # the server's KV block size: prompt blocks are aligned to it
+    seed: int = 0
+    duration_s: float = 240.0  # nothing is sent after this; in-flight requests then get drain_s
+    drain_s: float = 60.0
+
+
+def write_tenants_file(folder: Path) -> Path:
+    """Write the server's tenants file (JSON) for :data:`DEMO_TENANTS` into ``folder``; its path."""
+    doc = {"tenants": {t.name: {"api_keys": [t.api_key], "weight": t.weight,
+                                "default_slo_class": t.default_slo_class} for t in DEMO_TENANTS}}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "demo-tenants.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def build_load_plan(spec: LoadSpec, *, key_prefix: str) -> Any:
+    """The bench :class:`~tokentrace.bench.plan.Plan`: trace arrivals, tenants and classes.
+
+    ``ValueError`` when the trace is missing or a scale is out of range.
+    """
+    from tokentrace.bench.arrivals import Arrivals
+    from tokentrace.bench.plan import Tenant, build_plan
+
+    tenants = [Tenant(t.name, t.api_key, t.share) for t in DEMO_TENANTS]
+    return build_plan(workload=str(spec.trace), arrivals=Arrivals("trace"), max_requests=spec.num_requests,
+                      time_scale=spec.time_scale, length_scale=spec.length_scale,
+                      server_block_size=spec.block_size, tenants=tenants, slo_mix=dict(DEMO_SLO_MIX),
+                      key_prefix=key_prefix, seed=spec.seed)
+
+
+def run_load(plan: Any, spec: LoadSpec, *, url: str, model: str, store: Path, run_id: str,
+             console: Console) -> Any:
+    """Send the plan to ``url``, recording the client view into ``store``/``run_id``; the BenchRun.
+
+    Blocks until every request finished or the duration and drain bounds cut it.
+    A Ctrl-C cancels the in-flight requests, closes the recorder (what arrived is
+    stored) and re-raises ``KeyboardInterrupt``. ``OSError`` if the store cannot be written.
+    """
+    from tokentrace.bench.client import RequestOptions
+    from tokentrace.bench.progress import LiveProgress
+    from tokentrace.bench.runner import RunLimits, run_bench
+
+    opts = RequestOptions(base_url=url, model=model, read_timeout_s=120.0)
+    limits = RunLimits(duration_s=spec.duration_s, drain_s=spec.drain_s)
+    progress = LiveProgress(len(plan.requests), console=console, refresh_per_s=2.0)
+    config = {"settings": {"url": url, "model": model, "launcher": "tokentrace demo"}}
+    return run_bench(plan, opts, limits, store=store, run_id=run_id, progress=progress, config=config)

@@ -1,0 +1,102 @@
+"""The demo's report in the terminal: the key sections of ``tokentrace report``, drawn with rich.
+
+Nothing is recomputed here: :func:`tokentrace.report.make_report` gathers the
+analyses (the same :class:`~tokentrace.report.model.Report` that ``tokentrace
+report`` renders as Markdown), and this module only formats its sections.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from tokentrace.schema import REQUESTS, SPANS
+
+__all__ = ["TERMINAL_SECTIONS", "print_report", "section_table", "verdict_lines"]
+
+TERMINAL_SECTIONS: dict[str, int] = {"latency": 1, "stage_breakdown": 1, "slo": 1, "tenants": 2, "agreement": 1}
+"""Report sections shown in the terminal, in order, and how many of each one's tables (the
+rest of the report: ``tokentrace report``, the HTML report and the dashboard)."""
+UNATTRIBUTED_TARGET = 0.01  # the attribution invariant's bound: under 1% of token latency
+_MAX_ROWS = 20
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (bool,)):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if "share" in column or "attainment" in column or column.endswith("_rate"):
+            return f"{100 * value:.1f}%"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def _header(column: str) -> str:
+    """A column name as a header that wraps at word boundaries: ``num_requests`` -> ``# requests``."""
+    return column.replace("num_", "# ").replace("attainment", "attain").replace("_", " ")
+
+
+def section_table(frame: pd.DataFrame, *, title: str = "") -> Table:
+    """A rich table of a report frame: shares as percentages, times as given (ms columns say so)."""
+    table = Table(title=title or None, title_justify="left", show_lines=False)
+    for name in frame.columns:
+        text = not pd.api.types.is_numeric_dtype(frame[name])
+        width = int(frame[name].astype(str).str.len().max()) if text and len(frame) else None
+        # Labels (stage, tenant, class names) are not wrapped unless the terminal is too narrow.
+        table.add_column(_header(str(name)), justify="left" if text else "right", min_width=width,
+                         no_wrap=text, overflow="fold")
+    for _, row in frame.head(_MAX_ROWS).iterrows():
+        table.add_row(*(_cell(str(c), row[c]) for c in frame.columns))
+    if len(frame) > _MAX_ROWS:
+        table.caption = f"first {_MAX_ROWS} of {len(frame)} rows"
+    return table
+
+
+def verdict_lines(report: Any) -> list[str]:
+    """The demo's two checks in words: unattributed share and client/server agreement (rich markup)."""
+    lines = []
+    share = report.metrics.get("unattributed.share")
+    if share is not None and math.isfinite(share):
+        ok = abs(share) < UNATTRIBUTED_TARGET
+        mark = "[green]OK[/]" if ok else "[yellow]above target[/]"
+        lines.append(f"unattributed time: {100 * share:.3f}% of token latency (target < "
+                     f"{100 * UNATTRIBUTED_TARGET:.0f}%): {mark}")
+    try:
+        agreement = report.section("agreement")
+    except KeyError:
+        return lines
+    if agreement.tables:
+        df = agreement.tables[0][1].set_index("metric")
+        for metric in ("ttft", "itl"):
+            if metric in df.index and df.loc[metric, "count"]:
+                r = df.loc[metric]
+                lines.append(f"{metric.upper()} server - client: median {r['p50_ms']:+.2f} ms, "
+                             f"mean {r['mean_ms']:+.2f} ms over {int(r['count'])} tokens")
+    return lines
+
+
+def print_report(report: Any, console: Console) -> None:
+    """Print the run header, :data:`TERMINAL_SECTIONS` and the verdicts (caller's thread)."""
+    roles = sorted({str(i.get("role")) for i in report.run.instances})
+    console.print(f"[bold]run[/] {report.run.run_id} at {report.run.path}: "
+                  f"{len(report.run.instances)} traced processes ({', '.join(roles)}), "
+                  f"{report.run.rows.get(REQUESTS.name, 0)} request rows, {report.run.rows.get(SPANS.name, 0)} spans")
+    for key, num_tables in TERMINAL_SECTIONS.items():
+        try:
+            section = report.section(key)
+        except KeyError:
+            continue
+        console.rule(f"[bold]{section.title}")
+        if section.note:
+            console.print(section.note)
+        for caption, frame in section.tables[:num_tables]:
+            console.print(section_table(frame, title=caption))
+    console.rule("[bold]Checks")
+    for line in verdict_lines(report):
+        console.print(line)
