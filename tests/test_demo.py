@@ -78,6 +78,17 @@ def test_every_role_of_the_deployment_is_traced_into_one_run(demo):
     assert result.server_exit is not None
 
 
+def test_the_tenants_analysis_uses_the_servers_scheduling_weights(demo):
+    from tokentrace.demo_load import DEMO_TENANTS
+
+    result, _, store = demo
+    run, _, _ = _tables(store, result.run_id)
+    shares = run.analyze().tenants().shares.set_index(col.TENANT)
+    for t in DEMO_TENANTS:
+        if t.name in shares.index:
+            assert shares.loc[t.name, "weight"] == t.weight
+
+
 def test_server_workers_recorded_prefill_and_decode_work(demo):
     result, _, store = demo
     run, _, spans = _tables(store, result.run_id)

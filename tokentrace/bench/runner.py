@@ -167,16 +167,19 @@ def open_recorder(store: str | Path, *, run_id: str | None, config: dict[str, An
 
 def run_bench(plan: Plan, opts: RequestOptions, limits: RunLimits, *, store: str | Path | None = None,
               run_id: str | None = None, progress: ProgressListener | None = None,
-              config: dict[str, Any] | None = None) -> BenchRun:
+              config: dict[str, Any] | None = None, run_config: dict[str, Any] | None = None) -> BenchRun:
     """Run the plan on a fresh event loop; record into ``store`` if given. Blocks until done.
 
-    ``config`` (JSON-ready) is written into the run's manifest together with the
-    plan's own config (workload, scaling, arrivals, tenants). ``OSError`` if the
+    ``config`` (JSON-ready) is written into the run's manifest, under the bench's
+    key, together with the plan's own config (workload, scaling, arrivals, tenants);
+    ``run_config`` goes in at the top level, for what describes the whole run (e.g.
+    the server's tenant weights that the tenants analyzer reads). ``OSError`` if the
     store cannot be written; request failures never raise (they are counted).
     """
     recorder = None
     if store is not None:
-        recorder = open_recorder(store, run_id=run_id, config={BENCH_CONFIG_KEY: {**plan.config, **(config or {})}})
+        recorder = open_recorder(store, run_id=run_id, config={
+            **(run_config or {}), BENCH_CONFIG_KEY: {**plan.config, **(config or {})}})
     try:
         outcomes = asyncio.run(run_plan(plan, opts, limits, recorder=recorder, progress=progress))
     finally:
