@@ -93,8 +93,8 @@ def run_load(plan: Any, spec: LoadSpec, *, url: str, model: str, store: Path, ru
     opts = RequestOptions(base_url=url, model=model, read_timeout_s=120.0)
     limits = RunLimits(duration_s=spec.duration_s, drain_s=spec.drain_s)
     progress = LiveProgress(len(plan.requests), console=console, refresh_per_s=2.0)
-    # The server's tenant weights go into the run's manifest, where the tenants analyzer reads them.
     config = {"settings": {"url": url, "model": model, "launcher": "tokentrace demo"}}
+    # The server's tenant weights go into the run's manifest, where the tenants analyzer reads them.
     tenants = {t.name: {"weight": t.weight, "default_slo_class": t.default_slo_class} for t in DEMO_TENANTS}
     return run_bench(plan, opts, limits, store=store, run_id=run_id, progress=progress, config=config,
                      run_config={"tenants": tenants})
