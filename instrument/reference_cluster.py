@@ -77,16 +77,13 @@ class ServingEngineTracer(EngineTracer):
     ``relay``: shared with an in-process gateway tracer (``LocalBackend``), else
     None. ``accepted`` / ``kv_imports``: filled by :class:`WorkerTracer` in a
     worker process (request key -> when the worker took it; KV receipt), else unused.
-    ``hand_out_at_step_end``: record ``[emit, step end)`` as ``stream.send`` (workers).
+    A worker's token frames carry the engine's own emit time, so the gateway times the
+    hand-over from there: the engine's tiling of a token ends at its emit.
     """
 
-    def __init__(self, recorder: Recorder, *, relay: TokenRelay | None = None,
-                 hand_out_at_step_end: bool = False) -> None:
+    def __init__(self, recorder: Recorder, *, relay: TokenRelay | None = None) -> None:
         super().__init__(recorder)
         self.relay = relay
-        # Worker process: a token leaves the engine only when its step ends (the worker
-        # stamps that for the gateway); [emit, step end) is part of its delivery.
-        self._hand_out_at_step_end = hand_out_at_step_end
         # decode side: key -> [recv_start_ns, recv_end_ns or -1, num_bytes], worker clock
         self.kv_imports: dict[str, list[int]] = {}
         self._added: dict[str, int] = {}  # key -> added_ns, until its first token
@@ -122,14 +119,6 @@ class ServingEngineTracer(EngineTracer):
             emits = relay.emits.get(event.request_id)
             if emits is not None:
                 emits[event.index] = event.emit_ns
-
-    def _step_for_request(self, r: _Req, entry: hooks.BatchEntry, step: hooks.StepEnd,
-                          batch_size: int) -> None:
-        had_tokens = bool(r.pending_tokens)
-        super()._step_for_request(r, entry, step, batch_size)
-        if had_tokens and self._hand_out_at_step_end and step.end_ns > r.cursor_ns:
-            self._rec.span(r.rid, Stage.STREAM_SEND, r.cursor_ns, step.end_ns, r.next_token - 1, step.step)
-            r.cursor_ns = step.end_ns
 
     def _kv_tail(self, key: str, r: _Req) -> None:
         """Decode side: from the first KV chunk's arrival until the engine imported the blocks."""
