@@ -45,6 +45,7 @@ mapped ones are counted as ``otlp_spans_mapped``, rejected payloads as
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import threading
@@ -58,6 +59,8 @@ from instrument.otlp_decode import error_body, response_body
 from tokentrace.clock import Anchor, take_anchor
 from tokentrace.recorder import Recorder
 from tokentrace.schema import RequestStatus, Role, Stage, request_id_of
+
+_log = logging.getLogger("tokentrace")
 
 __all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "serve_otlp", "IngestSummary",
            "SPANS_MAPPED", "SPANS_IGNORED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES"]
@@ -156,6 +159,7 @@ class OtlpIngestor:
         self.max_body_bytes = max_body_bytes
         self.counts = {SPANS_MAPPED: 0, SPANS_IGNORED: 0, PAYLOADS_REJECTED: 0}
         self._pushed_at = 0.0
+        self._push_warned = False  # a failed counter push is logged once
 
     def ingest(self, body: bytes, content_type: str, content_encoding: str = "") -> int:
         """Decode and map one payload; returns the spans mapped. Raises ``PayloadError``."""
@@ -180,8 +184,10 @@ class OtlpIngestor:
         if callable(update):
             try:
                 update(dict(self.counts))
-            except Exception:
-                pass
+            except Exception as err:  # retried at the next push; said once
+                if not self._push_warned:
+                    self._push_warned = True
+                    _log.warning("tokentrace: could not write ingest counters to the manifest (%s); will retry", err)
 
     def close(self) -> None:
         """Flush everything to the store and close it."""

@@ -56,6 +56,7 @@ sampler in the process that records (after any fork).
 from __future__ import annotations
 
 import atexit
+import logging
 import struct
 import threading
 from typing import Any
@@ -64,6 +65,8 @@ from tokentrace.manifest import SAMPLED_OUT
 from tokentrace.recorder import Recorder
 from instrument.sampling_policy import SamplingPolicy
 from tokentrace.schema import RequestStatus, request_id_of
+
+_log = logging.getLogger("tokentrace")
 
 __all__ = ["SamplingPolicy", "SamplingRecorder", "SAMPLED_OUT_REQUESTS", "SAMPLED_TAIL_KEPT",
            "SAMPLED_PROMOTED", "PENDING_BYTES", "MAX_PROMOTED"]
@@ -133,6 +136,7 @@ class SamplingRecorder:
         self._tail_kept = 0
         self._promotions = 0
         self._pushed: dict[str, int] = {}
+        self._push_warned = False  # a failed counter push is logged once
         self._stop = threading.Event()
         self._pusher = threading.Thread(target=self._push_loop, args=(float(counters_interval_s),),
                                         name="tokentrace-sampling-counters", daemon=True)
@@ -358,8 +362,10 @@ class SamplingRecorder:
         try:
             update(counters)
             self._pushed = counters
-        except Exception:
-            pass
+        except Exception as err:  # retried at the next push; said once
+            if not self._push_warned:
+                self._push_warned = True
+                _log.warning("tokentrace: could not write sampling counters to the manifest (%s); will retry", err)
 
     def _push_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s) and not self._rec.closed:
