@@ -191,13 +191,19 @@ def test_missing_trace_is_one_sentence_and_exit_2(tmp_path):
     assert not (tmp_path / "st").exists()
 
 
+def _default_sigint() -> None:
+    """Give the child the SIGINT disposition a user's terminal gives: a test runner started as a
+    background job (as a CI harness may be) hands an ignored SIGINT down to its children."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_the_load_stops_everything_and_leaves_a_readable_store(tmp_path):
     store = tmp_path / "st"
     cmd = [sys.executable, "-m", "tokentrace.cli", "demo", "--store", str(store), "--run", "cut", "--model",
            "tiny", "--trace", str(TRACE), "--requests", "60", "--time-scale", "1", "--no-dashboard",
            "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "COLUMNS": "160"})
+                            env={**os.environ, "COLUMNS": "160"}, preexec_fn=_default_sigint)
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -231,7 +237,8 @@ def test_the_dashboard_step_serves_the_store_until_ctrl_c(tmp_path):
     port = _free_port()
     code = ("from pathlib import Path; from rich.console import Console; from tokentrace.demo import serve_dashboard; "
             f"serve_dashboard(Path({str(DATA / 'real_run')!r}), port={port}, console=Console())")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_default_sigint)
     try:
         status = None
         deadline = time.monotonic() + 60
