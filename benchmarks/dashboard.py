@@ -16,7 +16,8 @@ The last line is ``slowest_view_first_render_s=<s>``: the slowest view of step 3
 Step 4's figures are printed above it. Target: 3 s per view.
 
 Run: ``.venv/bin/python benchmarks/dashboard.py`` (about 5-10 minutes for 1 M
-requests on 2 CPUs; ``--requests 100000`` for a quick look).
+requests on 2 CPUs; ``--requests 100000`` for a quick look; ``--store DIR`` keeps
+the generated store and reuses it next time).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from synthetic_store import write_run  # noqa: E402
 from dashboard.app import create_app  # noqa: E402
 from dashboard.components.shell import SOURCE_KEY  # noqa: E402
 from dashboard.data import DataSource, warm_calls  # noqa: E402
+from tokentrace.schema import col  # noqa: E402
+from tokentrace.store_reader import open_run  # noqa: E402
 
 VIEWS = ("/", "/breakdown", "/explorer", "/queues", "/cache", "/pd-ratio", "/batch", "/tenants")
 TARGET_S = 3.0
@@ -59,9 +62,12 @@ def _chromium(profile: str):
 
 
 def _serve(app):
+    import logging
     import threading
 
     from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request in the output
 
     server = make_server("127.0.0.1", 0, app.server, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -108,19 +114,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--tokens", type=float, default=4.0, help="mean output tokens per request")
     ap.add_argument("--skip-cold", action="store_true", help="skip step 4 (views on an empty cache)")
+    ap.add_argument("--store", type=Path, help="keep the generated store here and reuse it when it is already "
+                                               "there (default: a temporary folder, removed at the end)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tt-bench-dashboard-"))
+    store = args.store or work / "store"
     try:
         t = time.perf_counter()
-        run = write_run(work / "store", "bench", num_requests=args.requests, mean_output_tokens=args.tokens,
-                        rate_rps=500.0)
+        if (store / "bench").is_dir():
+            print(f"reusing the store at {store}")
+        else:
+            write_run(store, "bench", num_requests=args.requests, mean_output_tokens=args.tokens, rate_rps=500.0)
         gen_s = time.perf_counter() - t
-        info = DataSource(work / "store").info("bench")
-        print(f"store: {args.requests:,} requests, rows per table {info.tables}, written in {gen_s:.1f} s")
-        request = str(int(run.request_ids[0]))
+        info = DataSource(store).info("bench")
+        print(f"store: {info.tables['requests']:,} request rows, rows per table {info.tables}, ready in {gen_s:.1f} s")
+        first = open_run(store, "bench").table("requests", columns=[col.REQUEST_ID]).slice(0, 1)
+        request = str(first.column(0)[0].as_py())  # the first request written
         paths = [p + "?run=bench" for p in VIEWS] + [f"/explorer?run=bench&request={request}"]
 
-        app = create_app(work / "store")
+        app = create_app(store)
         analyzer_s = _time_analyzers(app, "bench")
         print("analyzer calls, cold (s):")
         for name, s in sorted(analyzer_s.items(), key=lambda kv: -kv[1]):
@@ -131,7 +143,7 @@ def main() -> None:
         _show("the same, each view in a fresh browser profile (s):", _browse(url, paths, work, "fresh", fresh=True))
         server.shutdown()
         if not args.skip_cold:
-            server, url = _serve(create_app(work / "store"))
+            server, url = _serve(create_app(store))
             cold = _browse(url, paths, work, "cold", fresh=False)
             server.shutdown()
             _show("first render per view, nothing cached (analyzers run on demand), one browser (s):", cold)

@@ -26,6 +26,16 @@ ENGINE_LANE = "tokens · colocated · engine-0"
 CLIENT_LANE = "tokens · client · client-0"
 
 
+# Trace types the page's graphs ask for, the trace types the loaded plotly.js registered, and the
+# plotly.js files the page fetched.
+_PLOTLY_JS = """
+const asked = Array.from(document.querySelectorAll('.js-plotly-plot')).flatMap(gd => gd.data.map(t => t.type || 'scatter'));
+const files = performance.getEntriesByType('resource').map(e => e.name.split('?')[0].split('/').pop())
+  .filter(n => n.startsWith('plotly'));
+return {asked: Array.from(new Set(asked)), registered: Object.keys(Plotly.PlotSchema.get().traces), files: files};
+"""
+
+
 def _no_console_errors(driver: Any) -> None:
     errors = severe_logs(driver)
     assert errors == [], f"browser console errors: {errors}"
@@ -40,6 +50,10 @@ def test_every_view_renders_with_data_and_no_console_error(browser, served, path
     empty = {gid: n for gid, n in points.items() if n <= 0}
     assert not empty, f"{path}: graphs without data: {empty}"
     assert not texts(browser, ".tt-error"), f"{path}: error shown: {texts(browser, '.tt-error')}"
+    plotly = browser.execute_script(_PLOTLY_JS)
+    # The dashboard's own partial bundle draws every graph; Dash's full plotly.min.js is never fetched.
+    assert plotly["files"] == ["plotly-basic.min.js"], plotly["files"]
+    assert set(plotly["asked"]) <= set(plotly["registered"]), plotly
     _no_console_errors(browser)
     screenshot(browser, SCREENSHOTS / SCREENSHOT_NAMES[path])
 
