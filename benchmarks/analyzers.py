@@ -2,17 +2,22 @@
 
 Generates a run in the real store layout (Parquet, ``<store>/<run>/<table>/instance=1/part-*.parquet``
 plus ``manifest.json``): ``--requests`` requests (default 100 000) of ``--tokens`` output
-tokens (default 25), about four stage spans per token -> 10.1 M span rows, 2.5 M token rows. Then,
-each in its own child process so that peak memory is that implementation's alone:
+tokens (default 25), about four stage spans per token -> 10.1 M span rows, 2.5 M token rows.
+As in a disaggregated run, where the engine computes token i while token i-1 is still being
+streamed, 10% of the later tokens' decode.queue spans start before their token's interval
+(``OVERHANG_SHARE``): only the part inside the interval counts. Then, each in its own child
+process so that peak memory is that implementation's alone:
 
 * ``duckdb``: ``tokentrace.open(store).analyze().stage_breakdown()`` -- the analyzers'
   path (DuckDB over the Parquet files, clock alignment, per-token facts, mean and tail shares);
 * ``pandas``: a straightforward pandas implementation of the same definitions (read the
-  three tables, token intervals with a grouped shift, per-token stage sums with a groupby +
-  unstack, shares and the slowest-1% tail with nlargest).
+  three tables, token intervals with a grouped shift, spans merged with their token's
+  interval and clipped to it, per-token stage sums with a groupby + unstack, shares and the
+  slowest-1% tail with nlargest).
 
 Reports the best of ``--repeats`` runs: wall and CPU seconds, span rows/s, peak traced Python
-memory (tracemalloc) and peak resident set size (getrusage maxrss, /proc VmHWM) of each, checks that both give the same shares, and removes the
+memory (tracemalloc) and peak resident set size (getrusage maxrss, /proc VmHWM) of each, checks
+that both give the same shares (which they would not without the clipping), and removes the
 store (about 0.3 GB). Run: ``.venv/bin/python benchmarks/analyzers.py`` (1-3 minutes).
 The last line is ``breakdown_vs_pandas_speedup=<pandas seconds / duckdb seconds>``.
 """
@@ -45,6 +50,7 @@ from tokentrace.store_layout import part_name, partition_dir  # noqa: E402
 RUN_ID = "bench-run"
 SHARE_COLUMNS = ["ttft_share", "ttft_tail_share", "itl_share", "itl_tail_share"]
 FIRST_STAGES = (Stage.SCHEDULE_QUEUE, Stage.CACHE_LOOKUP, Stage.PREFILL_COMPUTE, Stage.DETOKENIZE, Stage.STREAM_SEND)
+OVERHANG_SHARE = 0.1  # of tokens >= 1 whose decode.queue span starts before the token's interval
 LATER_STAGES = (Stage.DECODE_QUEUE, Stage.DECODE_COMPUTE, Stage.SCHEDULE_PREEMPTED, Stage.DETOKENIZE,
                 Stage.STREAM_SEND)
 
@@ -82,6 +88,9 @@ def generate(store: Path, num_requests: int, num_tokens: int, num_parts: int, se
     token_start = token_end - token_len
     span_end = token_start[:, :, None] + np.cumsum(d, axis=2)
     span_start = span_end - d
+    # The engine ran ahead: the span began while the previous token was still being sent.
+    ahead = rng.random((num_requests, num_tokens - 1)) < OVERHANG_SHARE
+    span_start[:, 1:, 0] -= np.where(ahead, d[:, :-1, 4], 0)  # by the previous stream.send
     stages = np.empty((num_requests, num_tokens, 5), dtype=np.int8)
     stages[:, 0, :] = FIRST_STAGES
     stages[:, 1:, :] = LATER_STAGES
@@ -138,7 +147,7 @@ def run_duckdb(store: Path):
 
 
 def run_pandas(store: Path):
-    """Straightforward pandas: the same definitions as analyzers.stage_breakdown."""
+    """Straightforward pandas: the same definitions as analyzers.stage_breakdown (spans clipped to their token)."""
     import pandas as pd
 
     def read(name: str, columns: list[str]) -> pd.DataFrame:
@@ -153,9 +162,12 @@ def run_pandas(store: Path):
     t = t.sort_values([c.REQUEST_ID, c.TOKEN_INDEX])
     t["prev"] = t.groupby(c.REQUEST_ID)["t_end"].shift()
     t = t.join(arrival, on=c.REQUEST_ID)
-    t["lat"] = t["t_end"] - np.where(t[c.TOKEN_INDEX] == 0, t["arrival"], t["prev"])
-    spans = spans[spans[c.TOKEN_INDEX] >= 0]
-    spans = spans.assign(dur=spans[c.END_NS] - spans[c.START_NS])
+    t["t_start"] = np.where(t[c.TOKEN_INDEX] == 0, t["arrival"], t["prev"])
+    t["lat"] = t["t_end"] - t["t_start"]
+    spans = spans[spans[c.TOKEN_INDEX] >= 0].merge(t[[c.REQUEST_ID, c.TOKEN_INDEX, "t_start", "t_end"]],
+                                                   on=[c.REQUEST_ID, c.TOKEN_INDEX])
+    inside = np.minimum(spans[c.END_NS], spans["t_end"]) - np.maximum(spans[c.START_NS], spans["t_start"])
+    spans = spans.assign(dur=inside.clip(lower=0))
     per = spans.groupby([c.REQUEST_ID, c.TOKEN_INDEX, c.STAGE])["dur"].sum().unstack(fill_value=0)
     per.columns = [Stage(int(s)).label for s in per.columns]
     t = t.merge(per.reset_index(), on=[c.REQUEST_ID, c.TOKEN_INDEX], how="left")
