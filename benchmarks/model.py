@@ -7,13 +7,16 @@ weights, 1 torch thread) for:
   (20..590 tokens, scattered KV blocks), and
 * a prefill step of four prompts (126..500 tokens, one of them a continuation chunk).
 
-Each is run with the current paged attention and with a *baseline* built in the same
+Each is run with the current paged attention (decode rows through the compiled CPU
+kernel, :mod:`reference_server.model.decode_kernel`, when Numba is installed), with the
+PyTorch decode path it replaces where the kernel cannot run (``gather``: blocks gathered,
+one SDPA call per length bucket), and with a *baseline* built in the same
 process: the decode path of the original implementation, which pads every decode row
 to the longest context of the batch, gathers those blocks and runs one masked SDPA
 call, and prefill through SDPA with a full ``(chunk, context)`` mask and 3-D inputs.
 The two are interleaved and the minimum of this process's CPU time over repetitions
-is kept (other processes on a shared machine inflate wall time). The outputs of both
-are checked to agree within 1e-4.
+is kept (other processes on a shared machine inflate wall time). The outputs of all
+three are checked to agree within 1e-4.
 
 Run: ``.venv/bin/python benchmarks/model.py`` (about a minute). The last line is
 ``paged_vs_dense_decode_step=<baseline / current time of the batch-48 decode step>``.
@@ -112,22 +115,31 @@ def cpu_ms(fn: Callable[[], object]) -> float:
     return (time.process_time() - start) * 1000
 
 
-def compare(runner: ModelRunner, chunks: list[SeqChunk], reps: int) -> tuple[float, float]:
-    """(current, baseline) minimum CPU ms of one execute, interleaved; checks outputs agree."""
-    current_fn = llama.paged_attention
-    best = {"current": float("inf"), "baseline": float("inf")}
+def compare(runner: ModelRunner, chunks: list[SeqChunk], reps: int) -> dict[str, float]:
+    """Minimum CPU ms of one execute per variant, interleaved; checks that the outputs agree.
+
+    ``current``: the runner as configured (decode rows through the compiled kernel where it
+    can run); ``gather``: the PyTorch decode path (blocks gathered, SDPA per length bucket);
+    ``baseline``: :func:`dense_padded_attention`.
+    """
+    current_fn, current_kernel = llama.paged_attention, runner.decode_kernel
+    variants = {"current": (current_fn, current_kernel), "gather": (current_fn, False),
+                "baseline": (dense_padded_attention, False)}
+    best = {name: float("inf") for name in variants}
     outputs = {}
     try:
-        for rep in range(reps + 1):  # the first round warms up and is not timed
-            for name in ("current", "baseline") if rep % 2 else ("baseline", "current"):
-                llama.paged_attention = current_fn if name == "current" else dense_padded_attention
+        for rep in range(reps + 1):  # the first round warms up (and compiles) and is not timed
+            order = list(variants) if rep % 2 else list(variants)[::-1]
+            for name in order:
+                llama.paged_attention, runner.decode_kernel = variants[name]
                 elapsed = cpu_ms(lambda: outputs.__setitem__(name, runner.execute(chunks)))
                 if rep:
                     best[name] = min(best[name], elapsed)
     finally:
-        llama.paged_attention = current_fn
-    torch.testing.assert_close(outputs["current"], outputs["baseline"], atol=1e-4, rtol=1e-4)
-    return best["current"], best["baseline"]
+        llama.paged_attention, runner.decode_kernel = current_fn, current_kernel
+    for name in ("gather", "baseline"):
+        torch.testing.assert_close(outputs["current"], outputs[name], atol=1e-4, rtol=1e-4)
+    return best
 
 
 def main() -> None:
@@ -152,14 +164,16 @@ def main() -> None:
     ratio = 0.0
     cases = [(f"decode batch {n}", decode_batch(n, num_blocks, rng)) for n in (1, 16, 48)]
     cases.append(("prefill 4 chunks, 1006 tokens", prefill_batch(num_blocks, rng)))
-    print(f"{'case':>30}  {'contexts':>22}  {'paged ms':>9}  {'baseline ms':>11}  ratio")
+    print(f"decode attention of the current runner: {'compiled kernel' if runner.decode_kernel else 'PyTorch'}")
+    print(f"{'case':>30}  {'contexts':>22}  {'paged ms':>9}  {'gather ms':>9}  {'baseline ms':>11}  ratio")
     for label, chunks in cases:
         contexts = [c.start_pos + len(c.token_ids) for c in chunks]
-        current, baseline = compare(runner, chunks, args.reps)
+        ms = compare(runner, chunks, args.reps)
         span = f"{min(contexts)}..{max(contexts)} (mean {sum(contexts) / len(contexts):.0f})"
-        print(f"{label:>30}  {span:>22}  {current:9.1f}  {baseline:11.1f}  {baseline / current:.2f}x")
+        print(f"{label:>30}  {span:>22}  {ms['current']:9.1f}  {ms['gather']:9.1f}  {ms['baseline']:11.1f}  "
+              f"{ms['baseline'] / ms['current']:.2f}x")
         if label == "decode batch 48":
-            ratio = baseline / current
+            ratio = ms["baseline"] / ms["current"]
     runner.close()
     print(f"paged_vs_dense_decode_step={ratio:.2f}")
 

@@ -12,7 +12,10 @@ the chunk. The new tokens' K/V are first written into the cache, then read back
 with the rest of the context, so prefill, chunked prefill and decode share one
 code path per layer:
 
-* one-token chunks (decode) are grouped into a few *buckets* of similar
+* one-token chunks (decode) on the CPU in float32 go to the compiled kernel of
+  :mod:`reference_server.model.decode_kernel`, which reads each row's blocks in
+  place (no gather) when the runner enables it; otherwise they are grouped into
+  a few *buckets* of similar
   context length (:func:`plan_decode_buckets`), so a short context is not padded
   to the longest one in the step. Each layer gathers every bucket's keys and
   values with one ``index_select`` over a flat block index (built once per step,
@@ -36,6 +39,9 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from reference_server.model.decode_kernel import DecodeRows, paged_decode_attention
+from reference_server.model.decode_kernel import decode_rows as decode_rows_for_kernel
 
 
 class GatherBuffers:
@@ -108,6 +114,8 @@ class AttentionMetadata:
     # block); a row's padding blocks repeat its last block (masked out, but finite data).
     decode_buckets: tuple[DecodeBucket, ...] = ()
     decode_block_ids: torch.Tensor | None = None  # (sum of num_rows * num_blocks,) int64
+    # Set instead of the buckets when the decode rows go to the compiled kernel.
+    decode_rows: DecodeRows | None = None
 
 
 # Fixed cost of one more decode bucket per layer (an SDPA call, two index ops),
@@ -126,6 +134,7 @@ def build_attention_metadata(
     device: torch.device,
     buffers: GatherBuffers | None = None,
     bucket_overhead_slots: int = DEFAULT_BUCKET_OVERHEAD_SLOTS,
+    decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """Index tensors for a batch of chunks, in the order given.
 
@@ -134,7 +143,9 @@ def build_attention_metadata(
     whose blocks are ``block_tables[i]``. The caller has validated lengths and
     block ids (see ModelRunner); this function does not check them again.
     ``bucket_overhead_slots`` tunes decode bucketing (see :func:`plan_decode_buckets`);
-    it changes speed only, never results.
+    it changes speed only, never results. ``decode_kernel``: attend the decode rows
+    with :func:`~reference_server.model.decode_kernel.paged_decode_attention`
+    (CPU, float32 caches; the caller checks ``decode_kernel.usable``) instead of buckets.
     """
     slot_mapping: list[int] = []
     decode_rows: list[int] = []
@@ -154,8 +165,13 @@ def build_attention_metadata(
     decode_lens = [start_positions[i] + 1 for i in decode_chunks]
     decode_tables = [block_tables[i] for i in decode_chunks]
     padded_tables, decode_mask = _decode_indices(decode_lens, decode_tables, block_size, device)
-    buckets, decode_block_ids = _decode_buckets(
-        decode_rows, decode_lens, decode_tables, block_size, bucket_overhead_slots, device)
+    kernel_rows = None
+    if decode_kernel and decode_rows:
+        kernel_rows = decode_rows_for_kernel(decode_lens, decode_tables, block_size)
+        buckets, decode_block_ids = (), None
+    else:
+        buckets, decode_block_ids = _decode_buckets(
+            decode_rows, decode_lens, decode_tables, block_size, bucket_overhead_slots, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         decode_token_idx=torch.tensor(decode_rows, dtype=torch.int64, device=device),
@@ -166,6 +182,7 @@ def build_attention_metadata(
         buffers=buffers,
         decode_buckets=buckets,
         decode_block_ids=decode_block_ids,
+        decode_rows=kernel_rows,
     )
 
 
@@ -272,6 +289,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     (RoPE already applied). Returns ``(num_tokens, n_heads, head_dim)``.
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.decode_rows is not None:
+        if not meta.prefills:  # every row is a decode row, in order
+            return paged_decode_attention(q, k_cache, v_cache, meta.decode_rows)
+        out = torch.empty_like(q)
+        rows = meta.decode_token_idx
+        out.index_copy_(0, rows, paged_decode_attention(q.index_select(0, rows), k_cache, v_cache,
+                                                        meta.decode_rows))
+        return _prefills_into(out, q, k, v, k_cache, v_cache, meta)
     buckets = meta.decode_buckets
     if not meta.prefills and len(buckets) == 1:  # one bucket holds every row, in order
         return _decode_bucket_attention(q, *_gather_decode_kv(k_cache, v_cache, meta),
@@ -283,6 +308,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             rows = q.index_select(0, bucket.token_rows)  # (n, n_heads, head_dim)
             out.index_copy_(0, bucket.token_rows, _decode_bucket_attention(
                 rows, keys, values, bucket).reshape(rows.shape))
+    return _prefills_into(out, q, k, v, k_cache, v_cache, meta)
+
+
+def _prefills_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Write each multi-token chunk's attention into its rows of ``out``; returns ``out``."""
     for group in meta.prefills:
         start, end = group.token_start, group.token_end
         out[start:end] = _prefill_attention(

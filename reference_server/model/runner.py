@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from reference_server.model.attention import GatherBuffers, build_attention_metadata
+from reference_server.model import decode_kernel as _decode_kernel
 from reference_server.model.checkpoint import load_checkpoint
 from reference_server.model.config import ModelConfig, select_device
 from reference_server.model.kv_storage import KVStorage, kv_bytes_per_block
@@ -51,7 +52,11 @@ class ModelRunner:
     ``config`` may be None when ``checkpoint`` is given (the checkpoint's
     config is used); when both are given they must agree (ValueError naming
     the differing fields). Weights are seeded-random (``seed``) without a
-    checkpoint. The device is chosen once here (:func:`select_device`).
+    checkpoint. The device is chosen once here (:func:`select_device`), and so is
+    the decode attention: ``decode_kernel`` None uses the compiled CPU kernel
+    (:mod:`~reference_server.model.decode_kernel`) wherever it can run (CPU,
+    float32, Numba installed), True insists on it (ValueError where it cannot run),
+    False keeps the PyTorch path.
     Not thread-safe: every method is called from the engine thread and blocks
     until its work is done.
     """
@@ -59,7 +64,8 @@ class ModelRunner:
     def __init__(self, config: ModelConfig | None, *, block_size: int = 16,
                  num_device_blocks: int, num_host_blocks: int = 0, num_disk_blocks: int = 0,
                  disk_path: str | None = None, device: str | torch.device | None = None,
-                 checkpoint: str | Path | None = None, seed: int = 0) -> None:
+                 checkpoint: str | Path | None = None, seed: int = 0,
+                 decode_kernel: bool | None = None) -> None:
         state_dict = None
         if checkpoint is not None:
             ckpt_config, state_dict = load_checkpoint(checkpoint)
@@ -72,6 +78,12 @@ class ModelRunner:
             raise ValueError("ModelRunner needs a config or a checkpoint")
         self.config = config
         self.device = select_device(device)
+        usable = _decode_kernel.usable(self.device, config.torch_dtype)
+        if decode_kernel and not usable:
+            raise ValueError(
+                f"decode_kernel=True needs a CPU device, float32 weights and Numba installed; have "
+                f"{self.device.type}, {config.dtype}, Numba {'installed' if _decode_kernel.AVAILABLE else 'missing'}")
+        self.decode_kernel = usable if decode_kernel is None else decode_kernel  # decided once
         self.block_size = block_size
         model = LlamaModel(config, seed=None if state_dict is not None else seed)
         if state_dict is not None:
@@ -113,7 +125,7 @@ class ModelRunner:
         meta = build_attention_metadata(
             [len(c.token_ids) for c in chunks], [c.start_pos for c in chunks],
             [c.block_table for c in chunks], block_size=self.block_size, device=self.device,
-            buffers=self._buffers)
+            buffers=self._buffers, decode_kernel=self.decode_kernel)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,7 +44,7 @@ def _slots(table, positions):
     return torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions])
 
 
-def _run_paged(seqs, buffers=None, gen=None):
+def _run_paged(seqs, buffers=None, gen=None, decode_kernel=False):
     cache_shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV, HEAD_DIM)
     # Garbage everywhere: any read of a slot outside a sequence's context shows up.
     k_cache = torch.randn(cache_shape, generator=gen) * 100
@@ -54,7 +55,7 @@ def _run_paged(seqs, buffers=None, gen=None):
     meta = build_attention_metadata(
         [q.shape[0] - start for q, _, _, start, _ in seqs], [s[3] for s in seqs],
         [s[4] for s in seqs], block_size=BLOCK_SIZE, device=torch.device("cpu"),
-        buffers=buffers)
+        buffers=buffers, decode_kernel=decode_kernel)
     q_new = torch.cat([q[start:] for q, _, _, start, _ in seqs])
     k_new = torch.cat([k[start:] for _, k, _, start, _ in seqs])
     v_new = torch.cat([v[start:] for _, _, v, start, _ in seqs])
@@ -62,10 +63,11 @@ def _run_paged(seqs, buffers=None, gen=None):
     return out, k_cache, v_cache
 
 
-def test_mixed_batch_matches_dense_reference() -> None:
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["torch-decode", "kernel-decode"])
+def test_mixed_batch_matches_dense_reference(decode_kernel: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     seqs = _random_sequences(gen)
-    out, _, _ = _run_paged(seqs, gen=gen)
+    out, _, _ = _run_paged(seqs, gen=gen, decode_kernel=decode_kernel)
     row = 0
     for q, k, v, start, _ in seqs:
         expected = dense_attention_reference(q, k, v)[start:]
@@ -159,7 +161,7 @@ def test_random_mixed_batches_match_dense(data, block_size: int) -> None:
         seqs.append((q, k, v, start))
     meta = build_attention_metadata(
         [q.shape[0] - s for q, _, _, s in seqs], starts, tables, block_size=block_size,
-        device=torch.device("cpu"), buffers=GatherBuffers())
+        device=torch.device("cpu"), buffers=GatherBuffers(), decode_kernel=data.draw(st.booleans()))
     out = paged_attention(torch.cat([q[s:] for q, _, _, s in seqs]),
                           torch.cat([k[s:] for _, k, _, s in seqs]),
                           torch.cat([v[s:] for _, _, v, s in seqs]), k_cache, v_cache, meta)
@@ -167,7 +169,7 @@ def test_random_mixed_batches_match_dense(data, block_size: int) -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def _long_mixed_batch(bucket_overhead_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _long_mixed_batch(bucket_overhead_slots: int, decode_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode rows of very different context lengths (several length buckets) and prefill
     chunks longer than one query tile, with and without a cached prefix."""
     block_size = 4
@@ -190,7 +192,8 @@ def _long_mixed_batch(bucket_overhead_slots: int) -> tuple[torch.Tensor, torch.T
         tables.append(table)
     meta = build_attention_metadata(
         [n - s for n, s in shapes], [s for _, s in shapes], tables, block_size=block_size,
-        device=torch.device("cpu"), buffers=GatherBuffers(), bucket_overhead_slots=bucket_overhead_slots)
+        device=torch.device("cpu"), buffers=GatherBuffers(), bucket_overhead_slots=bucket_overhead_slots,
+        decode_kernel=decode_kernel)
     out = paged_attention(torch.cat([q[s:] for q, _, _, s in seqs]), torch.cat([k[s:] for _, k, _, s in seqs]),
                           torch.cat([v[s:] for _, _, v, s in seqs]), k_cache, v_cache, meta)
     expected = torch.cat([dense_attention_reference(q, k, v)[s:] for q, k, v, s in seqs])
@@ -201,3 +204,8 @@ def test_decode_buckets_and_tiled_long_prefill_match_dense() -> None:
     for overhead in (0, 128, 10_000):  # one bucket per length, the default, a single bucket
         out, expected = _long_mixed_batch(overhead)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_with_tiled_long_prefill_matches_dense() -> None:
+    out, expected = _long_mixed_batch(128, decode_kernel=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
