@@ -17,8 +17,9 @@ threaded (``nogil``: the engine thread runs it while others may hold the GIL).
 Results agree with SDPA to float32 rounding (about 1e-7), not bit for bit.
 
 :data:`AVAILABLE` says whether Numba imported; :func:`usable` is the one check a
-runner makes at start. The first call compiles the loop (a second or two;
-``cache=True`` keeps the machine code next to this file for later processes).
+runner makes at start, and :func:`warm_up` compiles the loop then (a second or two,
+or a few hundred ms from Numba's on-disk cache next to this file), so that no
+request's first decode step waits for the compiler.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ try:  # an optional speed-up: without Numba the PyTorch path runs
 except ImportError:  # pragma: no cover - numba is part of the [server] extra
     numba = None
 
-__all__ = ["AVAILABLE", "DecodeRows", "usable", "decode_rows", "paged_decode_attention"]
+__all__ = ["AVAILABLE", "DecodeRows", "usable", "warm_up", "decode_rows", "paged_decode_attention"]
 
 AVAILABLE: bool = numba is not None
 """Whether the compiled kernel can run in this process (Numba importable)."""
@@ -58,6 +59,15 @@ class DecodeRows:
     offsets: np.ndarray  # (num_rows + 1,) int64
     context_lens: np.ndarray  # (num_rows,) int64, tokens of context including the new one
     max_len: int
+
+
+def warm_up() -> None:
+    """Compile the kernel (or load it from Numba's cache) now, on a one-row, one-slot input.
+
+    Every call has the same argument types, so this is the only compilation a process sees.
+    """
+    cache = torch.zeros((1, 1, 1, 2), dtype=torch.float32)  # one block of one slot, one KV head
+    paged_decode_attention(torch.zeros((1, 1, 2), dtype=torch.float32), cache, cache, decode_rows([1], [(0,)], 1))
 
 
 def decode_rows(context_lens: Sequence[int], tables: Sequence[Sequence[int]], block_size: int) -> DecodeRows:

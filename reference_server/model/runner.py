@@ -56,7 +56,7 @@ class ModelRunner:
     the decode attention: ``decode_kernel`` None uses the compiled CPU kernel
     (:mod:`~reference_server.model.decode_kernel`) wherever it can run (CPU,
     float32, Numba installed), True insists on it (ValueError where it cannot run),
-    False keeps the PyTorch path.
+    False keeps the PyTorch path; the kernel is compiled here, before the first step.
     Not thread-safe: every method is called from the engine thread and blocks
     until its work is done.
     """
@@ -84,6 +84,8 @@ class ModelRunner:
                 f"decode_kernel=True needs a CPU device, float32 weights and Numba installed; have "
                 f"{self.device.type}, {config.dtype}, Numba {'installed' if _decode_kernel.AVAILABLE else 'missing'}")
         self.decode_kernel = usable if decode_kernel is None else decode_kernel  # decided once
+        if self.decode_kernel:
+            _decode_kernel.warm_up()  # compile at start, not in a request's first decode step
         self.block_size = block_size
         model = LlamaModel(config, seed=None if state_dict is not None else seed)
         if state_dict is not None:
