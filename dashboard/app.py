@@ -15,6 +15,7 @@ from pathlib import Path
 import dash
 from dash import html
 
+from dashboard.components import figures
 from dashboard.components.controls import register_callbacks
 from dashboard.components.shell import SOURCE_KEY
 from dashboard.data import DataSource
@@ -50,6 +51,7 @@ def create_app(store_path: str | os.PathLike[str], *, live: bool = False, refres
     # Take this app's share of the callbacks the page modules registered with dash.callback now,
     # rather than at the first request, so that a second app built in the same process gets its own.
     app._setup_server()  # noqa: SLF001 - Dash has no public hook for this
+    figures.warm_up()
     if warm:
         try:
             src.warm(None)

@@ -18,10 +18,24 @@ from dash import dash_table, dcc, html
 from dashboard.components.shell import notice
 from dashboard.data import downsample
 
-__all__ = ["graph", "graph_or_notice", "bars", "bars_row", "lines", "kpis", "table", "fmt", "explained"]
+__all__ = ["graph", "graph_or_notice", "bars", "bars_row", "lines", "kpis", "table", "fmt", "explained", "warm_up"]
 
+MARKER_POINTS = 300
+"""Above this many points a line is drawn without markers: thousands of SVG markers cost the
+browser most of a view's render time and cannot be told apart anyway."""
 _LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=50, b=50), height=360,
                legend=dict(orientation="h", y=-0.2))
+
+
+def warm_up() -> None:
+    """Build and serialise one throwaway figure of each kind the views draw.
+
+    plotly loads its property validators and the template on first use (about 0.3 s),
+    which would otherwise land in the first view anybody opens.
+    """
+    frame = pd.DataFrame({"x": ["a", "b"], "y": [1.0, 2.0]})
+    for fig in (bars(frame, "x", ["y"], title="warm-up"), lines(frame, "x", ["y"], title="warm-up")):
+        fig.to_json()
 
 
 def graph(fig: go.Figure, graph_id: str) -> dcc.Graph:
@@ -70,14 +84,16 @@ def bars_row(frame: pd.DataFrame | None, x: str, metrics: Sequence[tuple[str, st
 
 def lines(frame: pd.DataFrame, x: str, ys: Sequence[str], *, title: str, yaxis: str = "", xaxis: str = "",
           group: str | None = None) -> go.Figure:
-    """One line per column in ``ys`` (per group value if ``group``), downsampled for drawing."""
+    """One line per column in ``ys`` (per group value if ``group``), downsampled for drawing;
+    markers on each point only for lines of at most :data:`MARKER_POINTS` points."""
     fig = go.Figure()
     parts = [("", frame)] if group is None else list(frame.groupby(group, sort=True))
     for key, part in parts:
         part = downsample(part[[x, *ys]], x)
         for y in ys:
             name = y if group is None else (f"{key} · {y}" if len(ys) > 1 else str(key))
-            fig.add_trace(go.Scatter(x=part[x].tolist(), y=part[y].tolist(), name=name, mode="lines+markers",
+            mode = "lines+markers" if len(part) <= MARKER_POINTS else "lines"
+            fig.add_trace(go.Scatter(x=part[x].tolist(), y=part[y].tolist(), name=name, mode=mode,
                                      marker=dict(size=4)))
     fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis, **_LAYOUT)
     return fig
