@@ -88,6 +88,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``k_cache``/``v_cache``: ``(num_blocks, block_size, n_kv, head_dim)`` float32 on the CPU,
     already holding each row's new key and value. Blocks on the engine thread until done.
     """
+    # A strided cache would need another compiled specialisation (mid-request) and run slower.
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV caches must be contiguous"
     n, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
     queries = q.contiguous().view(n, num_kv, num_heads // num_kv, head_dim)  # (n, n_kv, group, hd)
