@@ -115,7 +115,7 @@ class AttentionMetadata:
     decode_buckets: tuple[DecodeBucket, ...] = ()
     decode_block_ids: torch.Tensor | None = None  # (sum of num_rows * num_blocks,) int64
     # Set instead of the buckets when the decode rows go to the compiled kernel.
-    decode_rows: DecodeRows | None = None
+    kernel_rows: DecodeRows | None = None
 
 
 # Fixed cost of one more decode bucket per layer (an SDPA call, two index ops),
@@ -182,7 +182,7 @@ def build_attention_metadata(
         buffers=buffers,
         decode_buckets=buckets,
         decode_block_ids=decode_block_ids,
-        decode_rows=kernel_rows,
+        kernel_rows=kernel_rows,
     )
 
 
@@ -289,13 +289,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     (RoPE already applied). Returns ``(num_tokens, n_heads, head_dim)``.
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.decode_rows is not None:
+    if meta.kernel_rows is not None:
         if not meta.prefills:  # every row is a decode row, in order
-            return paged_decode_attention(q, k_cache, v_cache, meta.decode_rows)
+            return paged_decode_attention(q, k_cache, v_cache, meta.kernel_rows)
         out = torch.empty_like(q)
         rows = meta.decode_token_idx
         out.index_copy_(0, rows, paged_decode_attention(q.index_select(0, rows), k_cache, v_cache,
-                                                        meta.decode_rows))
+                                                        meta.kernel_rows))
         return _prefills_into(out, q, k, v, k_cache, v_cache, meta)
     buckets = meta.decode_buckets
     if not meta.prefills and len(buckets) == 1:  # one bucket holds every row, in order
