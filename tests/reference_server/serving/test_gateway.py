@@ -55,10 +55,15 @@ def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tenants_file: Path) -> Iterator[tuple[ServerThread, LocalBackend, RecordingGatewayObserver]]:
+    yield from _serve(tenants_file)
+
+
+def _serve(tenants_file: Path, delays: DelayConfig | None = None
+           ) -> Iterator[tuple[ServerThread, LocalBackend, RecordingGatewayObserver]]:
     from reference_server.serving.gateway_tenants import load_tenants
 
     tenants, _, _ = load_tenants(tenants_file)
-    backend = LocalBackend(engine_config(tuple(tenants)))
+    backend = LocalBackend(engine_config(tuple(tenants)), delays=delays)
     recorder = RecordingGatewayObserver()
     app = create_app(backend, config=GatewayConfig(auth=TenantAuth.from_file(tenants_file)), observers=[recorder])
     with serve_in_thread(app) as server:
@@ -218,9 +223,16 @@ def _device_blocks_free(backend: LocalBackend) -> bool:
     return inst.num_blocks_used[0] == 0 and inst.num_running == 0 and inst.num_waiting == 0
 
 
+@pytest.fixture()
+def slow_served(tenants_file: Path) -> Iterator[tuple[ServerThread, LocalBackend, RecordingGatewayObserver]]:
+    """Like ``served``, with a planted 5 ms per decode step: a 400-token answer takes at least 2 s,
+    so it cannot finish while a client on a busy machine is still reading its first tokens."""
+    yield from _serve(tenants_file, DelayConfig.parse("decode_step=5ms"))
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(
-        served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> None:
-    server, backend, recorder = served
+        slow_served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> None:
+    server, backend, recorder = slow_served
     ids = [f"leave-{i}" for i in range(4)]
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for request_id in ids:
