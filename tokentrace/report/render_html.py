@@ -1,8 +1,8 @@
 """The report as one self-contained HTML file with Plotly charts.
 
-plotly.js is inlined from the installed ``plotly`` package
-(``plotly.offline.get_plotlyjs()``): the file opens offline, from a CI
-artifact, with no CDN. Charts: latency percentiles, stage shares of TTFT and
+plotly.js is inlined (tokentrace's basic partial bundle,
+:mod:`tokentrace.report.plotly_bundle`, 1.2 MB): the file opens offline, from a
+CI artifact, with no CDN. Charts: latency percentiles, stage shares of TTFT and
 ITL (mean and tail) as stacked bars, latency and queue lengths over time.
 Every table of the Markdown report follows. Pure function of a :class:`Report`;
 plotly is imported inside :func:`render_html`.
@@ -18,6 +18,7 @@ import pandas as pd
 from tokentrace.report.budget import format_value
 from tokentrace.report.frames import frame_cells
 from tokentrace.report.model import Report
+from tokentrace.report.plotly_bundle import bundle_text
 from tokentrace.schema import UNATTRIBUTED_LABEL, col
 
 __all__ = ["render_html", "html_table"]
@@ -153,7 +154,6 @@ def _sections_html(report: Report) -> str:
 def render_html(report: Report) -> str:
     """The whole report as a standalone HTML document (plotly.js inlined; no network access)."""
     import plotly.graph_objects as go
-    from plotly.offline import get_plotlyjs
 
     run = report.run
     title = f"tokentrace report: run {run.run_id}"
@@ -165,7 +165,7 @@ def render_html(report: Report) -> str:
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"
-        f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>"
+        f"<script type='text/javascript'>{bundle_text()}</script></head><body>"
         f"<h1>{html.escape(title)}</h1><p class='note'>store {html.escape(run.path)}; created "
         f"{html.escape(run.created or '-')}{baseline}</p>"
         f"<h2>Budgets</h2>{_budgets_html(report)}"
