@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from reference_server.engine import AsyncEngine, Engine, EngineConfig
+from reference_server.engine import AsyncEngine, Engine, EngineConfig, EngineObserver
 from reference_server.engine.async_engine import EngineStoppedError
 from reference_server.model import SamplingParams
 
 CONFIG = EngineConfig(model="tiny", block_size=4, num_device_blocks=64, max_num_batched_tokens=32, device="cpu")
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = ["first prompt", "a second, longer prompt for the engine", "3"]
+
+
+class SlowSteps(EngineObserver):
+    """Sleeps 5 ms after every engine step, so that a long request is still running when a test
+    cancels its consumer or stops the loop (on a busy machine the tiny model could finish it first)."""
+
+    def on_step_end(self, event) -> None:
+        time.sleep(0.005)
+
+
+def slow_engine() -> Engine:
+    engine = Engine(CONFIG)
+    engine.add_observer(SlowSteps())
+    return engine
 
 
 async def collect(ae: AsyncEngine, rid: str, prompt: str, sampling=SAMPLING):
@@ -49,7 +64,7 @@ async def drain_then_check(ae: AsyncEngine):
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 def test_cancelling_the_consumer_aborts_and_frees_blocks(how):
     async def main():
-        ae = AsyncEngine(Engine(CONFIG))
+        ae = AsyncEngine(slow_engine())
         await ae.start()
         try:
             long = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -105,7 +120,7 @@ def test_bad_input_and_duplicates_raise_value_error():
 
 def test_idle_loop_does_not_step_and_stop_ends_open_streams():
     async def main():
-        ae = AsyncEngine(Engine(CONFIG))
+        ae = AsyncEngine(slow_engine())
         await ae.start()
         await collect(ae, "warm", "warm up")
         steps = ae.engine.stats().num_steps

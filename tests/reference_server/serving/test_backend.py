@@ -11,6 +11,7 @@ import torch
 from reference_server.engine import Engine, EngineConfig
 from reference_server.model import SamplingParams
 from reference_server.serving.backend import BackendUnavailable, GenerateRequest, LocalBackend
+from reference_server.serving.delays import DelayConfig
 from reference_server.serving.worker_hooks import WorkerObserver
 
 torch.set_num_threads(1)
@@ -24,8 +25,8 @@ def request(backend, rid: str, prompt: str, sampling: SamplingParams = GREEDY) -
                            now + 500_000_000)
 
 
-async def with_backend(fn):
-    backend = LocalBackend(CONFIG)
+async def with_backend(fn, delays: DelayConfig | None = None):
+    backend = LocalBackend(CONFIG, delays=delays)
     await backend.start()
     try:
         return await fn(backend)
@@ -73,6 +74,7 @@ def test_bad_input_raises_value_error_on_first_next():
 
 
 def test_closing_the_stream_aborts_and_frees_blocks():
+    # 5 ms before every decode step: the 100-token requests are still running when the streams close
     async def go(backend):
         streams = [backend.generate(request(backend, f"r{i}", f"request {i} " * 8,
                                             SamplingParams(max_tokens=100, ignore_eos=True))) for i in range(4)]
@@ -83,7 +85,7 @@ def test_closing_the_stream_aborts_and_frees_blocks():
             await s.aclose()
         return await wait_for_no_used_blocks(backend), backend.stats().instances[0]
 
-    used, inst = asyncio.run(with_backend(go))
+    used, inst = asyncio.run(with_backend(go, DelayConfig.parse("decode_step=5ms")))
     assert used == (0, 0, 0)
     assert inst.num_running == 0 and inst.num_waiting == 0
 

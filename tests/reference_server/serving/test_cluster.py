@@ -113,7 +113,14 @@ def loop():
     lt.close()
 
 
+# Workers sleep 2 ms before every decode step, so that a LONG stream (200 tokens) runs for at least
+# 0.4 s: the tests that kill a worker or disconnect after a stream's first tokens need it still running
+# then, and on a busy machine the tiny model could otherwise finish it first.
+DECODE_DELAY = "decode_step=2ms"
+
+
 def start_cluster(loop: LoopThread, **kw) -> tuple[ClusterBackend, Events]:
+    kw.setdefault("delays", DECODE_DELAY)
     backend = ClusterBackend(CONFIG, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, **kw)
     events = Events()
     backend.add_observer(events)
