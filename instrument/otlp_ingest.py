@@ -1,11 +1,13 @@
-"""OTLP/HTTP trace receiver: vLLM (or any OTLP source) spans -> a tokentrace store.
+"""OTLP trace receiver: vLLM (or any OTLP source) spans -> a tokentrace store.
 
 ``tokentrace ingest-otlp --listen 127.0.0.1:4318 --store DIR`` runs
 :func:`serve_otlp`: a Starlette app on uvicorn answering ``POST /v1/traces``
 with protobuf or JSON ``ExportTraceServiceRequest`` bodies
-(``instrument.otlp_decode``). A malformed body gets HTTP 400 with a
-``google.rpc.Status`` message and the receiver keeps serving; SIGINT/SIGTERM
-stop it gracefully and flush the store.
+(``instrument.otlp_decode``), and with ``--grpc-listen 127.0.0.1:4317`` also
+OTLP/gRPC's ``TraceService/Export`` (``instrument.otlp_grpc``), both into one
+run. A malformed body gets HTTP 400 with a ``google.rpc.Status`` message (gRPC:
+``INVALID_ARGUMENT``) and the receiver keeps serving; SIGINT/SIGTERM stop it
+gracefully and flush the store.
 
 Mapping of vLLM's ``llm_request`` span (:class:`LlmRequestMapper`)
 ------------------------------------------------------------------
@@ -46,6 +48,7 @@ mapped ones are counted as ``otlp_spans_mapped``, rejected payloads as
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -151,7 +154,11 @@ class LlmRequestMapper:
 
 
 class OtlpIngestor:
-    """The receiver's state: recorder, mapper and counters (event-loop thread, plus ``close``)."""
+    """The receiver's state: recorder, mapper and counters.
+
+    Any thread: the HTTP receiver calls it on its event loop, the gRPC receiver on its
+    worker threads. A lock keeps the counters exact and one payload's rows together.
+    """
 
     def __init__(self, recorder: Recorder, *, anchor: Anchor, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.recorder = recorder
@@ -160,6 +167,7 @@ class OtlpIngestor:
         self.counts = {SPANS_MAPPED: 0, SPANS_IGNORED: 0, PAYLOADS_REJECTED: 0}
         self._pushed_at = 0.0
         self._push_warned = False  # a failed counter push is logged once
+        self._lock = threading.Lock()
 
     def ingest(self, body: bytes, content_type: str, content_encoding: str = "") -> int:
         """Decode and map one payload; returns the spans mapped. Raises ``PayloadError``."""
@@ -167,23 +175,27 @@ class OtlpIngestor:
             spans = decode_request(decompress(body, content_encoding, max_bytes=self.max_body_bytes),
                                    content_type)
         except PayloadError:
-            self.counts[PAYLOADS_REJECTED] += 1
+            with self._lock:
+                self.counts[PAYLOADS_REJECTED] += 1
             raise
-        mapped = sum(1 for s in spans if self.mapper.map(s))
-        self.counts[SPANS_MAPPED] += mapped
-        self.counts[SPANS_IGNORED] += len(spans) - mapped
+        with self._lock:
+            mapped = sum(1 for s in spans if self.mapper.map(s))
+            self.counts[SPANS_MAPPED] += mapped
+            self.counts[SPANS_IGNORED] += len(spans) - mapped
         return mapped
 
     def push_counters(self, *, force: bool = False) -> None:
         """Send the counters to the store's manifest (blocks on the file write); never raises."""
-        now = time.monotonic()
-        if not force and now - self._pushed_at < _COUNTERS_INTERVAL_S:
-            return
-        self._pushed_at = now
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._pushed_at < _COUNTERS_INTERVAL_S:
+                return
+            self._pushed_at = now
+            counts = dict(self.counts)
         update = getattr(self.recorder.sink, "update_counters", None)
         if callable(update):
             try:
-                update(dict(self.counts))
+                update(counts)
             except Exception as err:  # retried at the next push; said once
                 if not self._push_warned:
                     self._push_warned = True
@@ -241,15 +253,21 @@ class IngestSummary:
     run_id: str | None
     url: str
     counts: Mapping[str, int]
+    grpc_url: str | None = None
+    """The OTLP/gRPC endpoint, when one was served."""
 
 
 def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role: str = "colocated",
-               on_ready: Callable[[str, str | None], None] | None = None) -> IngestSummary:
-    """Receive OTLP/HTTP traces into run ``run`` of ``store`` until SIGINT/SIGTERM.
+               grpc_listen: tuple[str, int] | None = None,
+               on_ready: Callable[[list[str], str | None], None] | None = None) -> IngestSummary:
+    """Receive OTLP/HTTP (and, with ``grpc_listen``, OTLP/gRPC) traces into run ``run``
+    of ``store`` until SIGINT/SIGTERM.
 
-    Blocks. ``port`` 0 picks a free port; ``on_ready(url, run_id)`` is called
-    once listening. Raises ``OSError`` if the address cannot be bound or the
-    store cannot be created, ``ValueError`` for a bad role or run id. The
+    Blocks. Port 0 picks a free port; ``on_ready(urls, run_id)`` is called once
+    listening, with the HTTP endpoint first and then the gRPC one. Raises
+    ``OSError`` if an address cannot be bound or the store cannot be created,
+    ``ValueError`` for a bad role or run id, ``ImportError`` for ``grpc_listen``
+    without grpcio. Nothing is created on disk before every address is bound. The
     store is flushed and closed however the server stops.
     """
     import uvicorn
@@ -259,10 +277,23 @@ def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role
     the_role = Role.from_label(role)
     if run is not None:
         validate_run_id(run)  # before binding: a bad id must not leave a listening socket behind
-    sock = socket.create_server((host, port))
     try:
-        writer = StoreWriter(store, run_id=run, config={"source": "otlp-ingest", "listen": f"{host}:{port}"})
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise OSError(e.errno, f"cannot listen for OTLP/HTTP on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+    receiver = None
+    try:
+        if grpc_listen is not None:
+            from instrument.otlp_grpc import GrpcReceiver
+
+            receiver = GrpcReceiver(*grpc_listen, max_message_bytes=MAX_BODY_BYTES)
+        config = {"source": "otlp-ingest", "listen": f"{host}:{port}"}
+        if receiver is not None:
+            config["grpc_listen"] = f"{receiver.host}:{receiver.port}"
+        writer = StoreWriter(store, run_id=run, config=config)
     except BaseException:
+        if receiver is not None:
+            receiver.stop()
         sock.close()
         raise
     recorder = Recorder(writer, instance_id=writer.instance_id)
@@ -271,25 +302,30 @@ def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role
     ingestor = OtlpIngestor(recorder, anchor=anchor)
     bound_port = sock.getsockname()[1]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound_port}/v1/traces"
+    urls = [url] + ([receiver.url] if receiver is not None else [])
     server = uvicorn.Server(uvicorn.Config(create_app(ingestor), log_level="warning", lifespan="off"))
     previous = _stop_on_signals(server)
     try:
+        if receiver is not None:
+            receiver.start(ingestor)
         if on_ready is not None:
-            threading.Thread(target=_announce, args=(server, on_ready, url, writer.run_id), daemon=True).start()
+            threading.Thread(target=_announce, args=(server, on_ready, urls, writer.run_id), daemon=True).start()
         server.run(sockets=[sock])
     finally:
         _restore_signals(previous)
         sock.close()
+        if receiver is not None:
+            receiver.stop()  # calls in flight finish before the store is closed
         ingestor.close()
-    return IngestSummary(writer.run_id, url, dict(ingestor.counts))
+    return IngestSummary(writer.run_id, url, dict(ingestor.counts), receiver.url if receiver is not None else None)
 
 
-def _announce(server: Any, on_ready: Callable[[str, str | None], None], url: str, run_id: str) -> None:
+def _announce(server: Any, on_ready: Callable[[list[str], str | None], None], urls: list[str], run_id: str) -> None:
     deadline = time.monotonic() + 30.0
     while not server.started and not server.should_exit and time.monotonic() < deadline:
         time.sleep(0.01)  # polls uvicorn's start-up flag; no compute is being simulated
     if server.started:
-        on_ready(url, run_id)
+        on_ready(urls, run_id)
 
 
 def _stop_on_signals(server: Any) -> dict[int, Any]:

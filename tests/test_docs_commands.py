@@ -90,15 +90,18 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "needs the server of the previous block; the demo replays Mooncake through the same bench machinery "
         "into the server's run and the report is read from it"),
     ("docs/instrumenting.md", "python my_engine.py && tokentrace report traces --run my-engine"): RUN,
-    ("docs/instrumenting.md", "tokentrace ingest-otlp --listen 127.0.0.1:4318 --store traces --run vllm-1"): Covered(
-        "tests/instrument/test_otel.py::test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads",
-        "a long-running receiver on a fixed port; the test starts the same receiver on a free port"),
-    ("docs/instrumenting.md", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf vllm serve "
-                              "meta-llama/Llama-3.2-1B-Instruct --otlp-traces-endpoint "
-                              "http://127.0.0.1:4318/v1/traces"): Covered(
-        "tests/instrument/test_otel.py::test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads",
-        "vLLM is a third-party GPU server, not a dependency; the receiver is tested with the protobuf and "
-        "JSON bodies vLLM's exporter sends"),
+    ("docs/instrument-otel.md", "tokentrace ingest-otlp --grpc-listen 127.0.0.1:4317 --store traces --run vllm-run-1"):
+        Covered("tests/instrument/test_otel.py::test_grpc_receiver_takes_vllms_default_exporter_beside_http_into_one_run",
+                "a long-running receiver, then `vllm serve`, a third-party GPU server not installed here; the test "
+                "sends through the OTLP/gRPC exporter vLLM uses, configured as vLLM configures it"),
+    ("docs/instrumenting.md", "tokentrace ingest-otlp --grpc-listen 127.0.0.1:4317 --store traces --run vllm-1"): Covered(
+        "tests/instrument/test_otel.py::test_grpc_receiver_takes_vllms_default_exporter_beside_http_into_one_run",
+        "a long-running receiver on fixed ports; the test starts the same receiver on free ports"),
+    ("docs/instrumenting.md", "OTEL_EXPORTER_OTLP_TRACES_INSECURE=true vllm serve meta-llama/Llama-3.2-1B-Instruct "
+                              "--otlp-traces-endpoint grpc://127.0.0.1:4317"): Covered(
+        "tests/instrument/test_otel.py::test_grpc_receiver_takes_vllms_default_exporter_beside_http_into_one_run",
+        "vLLM is a third-party GPU server, not a dependency; the receiver is tested with vLLM's default "
+        "exporter (OTLP/gRPC, gzip, insecure) sending vLLM's llm_request attributes"),
     ("docs/quickstart.md", "tokentrace demo --no-dashboard"): Covered(
         "tests/test_demo.py::test_the_report_is_printed",
         "the full demo runs for minutes; the test runs the same code path reduced (10 requests, tiny model)"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -154,25 +156,45 @@ def test_malformed_payloads_raise_payload_error(body, ctype, fragment):
 
 # --------------------------------------------------------------------------- ingest, real receiver
 
-def _start_receiver(store: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-c", "from tokentrace.cli import main; main()", "ingest-otlp",
-           "--listen", "127.0.0.1:0", "--store", str(store), "--run", "otlp"]
+def _ingest_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from tokentrace.cli import main; main()", "ingest-otlp", *args]
+
+
+@contextlib.contextmanager
+def _receiver(store: Path, *args: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """``tokentrace ingest-otlp`` into run ``otlp`` of ``store`` in a child process, and its endpoints
+    (HTTP first, then gRPC if asked for); killed on the way out if a test did not stop it."""
+    cmd = _ingest_cmd("--listen", "127.0.0.1:0", "--store", str(store), "--run", "otlp", *args)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else ""
-    if "listening on " not in line:
-        proc.kill()
-        pytest.fail(f"receiver did not start: {line!r} {proc.stderr.read()}")
-    return proc, line.split("listening on ", 1)[1].split()[0]
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if "listening on " not in line:
+            pytest.fail(f"receiver did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}")
+        yield proc, line.split("listening on ", 1)[1].split(" (store ", 1)[0].split(" and ")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
-def _vllm_like_spans(endpoint: str, t0_unix: int) -> None:
-    """Emit two llm_request spans the way vLLM does, through the real OTLP/HTTP exporter."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+def _stop_and_open(proc: subprocess.Popen, signum: int, store: Path):
+    """Stop the receiver with ``signum``: it must exit 0 having flushed the run. The run and its
+    (mapped, ignored, rejected) counters."""
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "stopped" in out
+    run = open_run(store, "otlp")
+    counters = run.counters()
+    return run, (counters[SPANS_MAPPED], counters[SPANS_IGNORED], counters[PAYLOADS_REJECTED])
 
+
+def _vllm_like_spans(exporter, t0_unix: int) -> None:
+    """Emit an llm_request span the way vLLM does (and an unrelated one) through a real OTLP exporter."""
     provider = TracerProvider(resource=Resource.create({sc.SERVICE_NAME: "vllm"}))
-    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=10)))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("vllm.tracing")
     span = tracer.start_span(sc.LLM_REQUEST_SPAN, kind=SpanKind.SERVER, start_time=t0_unix)
     span.set_attributes({sc.GEN_AI_REQUEST_ID: "cmpl-1", sc.GEN_AI_LATENCY_TIME_IN_QUEUE: 0.010,
@@ -185,11 +207,16 @@ def _vllm_like_spans(endpoint: str, t0_unix: int) -> None:
     provider.shutdown()
 
 
+def _http_exporter(url: str):
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=url, timeout=10)
+
+
 def test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads(tmp_path):
-    proc, url = _start_receiver(tmp_path)
-    try:
+    with _receiver(tmp_path) as (proc, (url,)):
         t0 = time.time_ns()
-        _vllm_like_spans(url, t0)
+        _vllm_like_spans(_http_exporter(url), t0)
         json_span = {"name": "llm_request", "traceId": TRACE, "spanId": "00f067aa0ba902b7",
                      "startTimeUnixNano": str(t0 + 5 * MS), "endTimeUnixNano": str(t0 + 105 * MS),
                      "status": {"code": 2},
@@ -205,35 +232,97 @@ def test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads(tmp_path):
             assert bad_pb.status_code == 400 and b"not a protobuf" in bad_pb.content
             good = client.post(url, content=_json_payload([json_span]), headers={"Content-Type": "application/json"})
             assert good.status_code == 200 and good.json() == {}
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
-    assert "stopped" in out
-    run = open_run(tmp_path, "otlp")
-    counters = run.counters()
-    assert (counters[SPANS_MAPPED], counters[SPANS_IGNORED], counters[PAYLOADS_REJECTED]) == (2, 1, 2)
+        run, counts = _stop_and_open(proc, signal.SIGTERM, tmp_path)
+    assert counts == (2, 1, 2)
+    reqs, spans, to_mono = _received(run, t0)
+    r2 = reqs["cmpl-2"]
+    _check_vllm_like_request(reqs["cmpl-1"], spans, t0 + to_mono)
+    assert r2[col.STATUS] == RequestStatus.ERROR and r2[col.TRACE_ID] == TRACE
+    assert r2[col.FINISH_NS] - r2[col.ARRIVAL_NS] == 100 * MS  # no e2e attribute: the span's end
+    assert sorted(spans[r2[col.REQUEST_ID]]) == [
+        (Stage.SCHEDULE_QUEUE, 25 * MS, 45 * MS, 0), (Stage.PREFILL_COMPUTE, 45 * MS, 85 * MS, 0)]
+    tokens = run.table(TOKENS.name).to_pylist()
+    assert sorted((t[col.TOKEN_INDEX], t[col.EMIT_NS] - t0 - to_mono) for t in tokens) == [(0, 50 * MS), (0, 85 * MS)]
+
+
+def _received(run, t0: int) -> tuple[dict, dict, int]:
+    """Requests rows by key; per request id, (stage, start, end, token) relative to ``t0``; Unix->mono shift."""
     inst = run.table(INSTANCES.name).to_pylist()[-1]
     to_mono = inst[col.MONO_ANCHOR_NS] - inst[col.WALL_ANCHOR_NS]
     reqs = {r[col.REQUEST_KEY]: r for r in run.table(REQUESTS.name).to_pylist()}
-    r1, r2 = reqs["cmpl-1"], reqs["cmpl-2"]
-    assert r1[col.ARRIVAL_NS] == t0 + to_mono
-    assert (r1[col.FIRST_TOKEN_NS] - r1[col.ARRIVAL_NS], r1[col.FINISH_NS] - r1[col.ARRIVAL_NS]) == (50 * MS, 260 * MS)
-    assert (r1[col.NUM_PROMPT_TOKENS], r1[col.NUM_OUTPUT_TOKENS], r1[col.STATUS]) == (100, 20, RequestStatus.OK)
-    assert r2[col.STATUS] == RequestStatus.ERROR and r2[col.TRACE_ID] == TRACE
-    assert r2[col.FINISH_NS] - r2[col.ARRIVAL_NS] == 100 * MS  # no e2e attribute: the span's end
-    spans = {}
+    spans: dict[int, list] = {}
     for r in run.table(SPANS.name).to_pylist():
         spans.setdefault(r[col.REQUEST_ID], []).append(
             (r[col.STAGE], r[col.START_NS] - t0 - to_mono, r[col.END_NS] - t0 - to_mono, r[col.TOKEN_INDEX]))
+    return reqs, spans, to_mono
+
+
+def _check_vllm_like_request(r1: dict, spans: dict, arrival: int) -> None:
+    """The rows of the ``cmpl-1`` span that ``_vllm_like_spans`` sends."""
+    assert r1[col.ARRIVAL_NS] == arrival
+    assert (r1[col.FIRST_TOKEN_NS] - r1[col.ARRIVAL_NS], r1[col.FINISH_NS] - r1[col.ARRIVAL_NS]) == (50 * MS, 260 * MS)
+    assert (r1[col.NUM_PROMPT_TOKENS], r1[col.NUM_OUTPUT_TOKENS], r1[col.STATUS]) == (100, 20, RequestStatus.OK)
     assert sorted(spans[r1[col.REQUEST_ID]]) == [
         (Stage.SCHEDULE_QUEUE, 10 * MS, 20 * MS, 0),
         (Stage.PREFILL_COMPUTE, 20 * MS, 50 * MS, 0),
         (Stage.DECODE_COMPUTE, 50 * MS, 250 * MS, -1),
     ]
-    assert sorted(spans[r2[col.REQUEST_ID]]) == [
-        (Stage.SCHEDULE_QUEUE, 25 * MS, 45 * MS, 0), (Stage.PREFILL_COMPUTE, 45 * MS, 85 * MS, 0)]
-    tokens = run.table(TOKENS.name).to_pylist()
-    assert sorted((t[col.TOKEN_INDEX], t[col.EMIT_NS] - t0 - to_mono) for t in tokens) == [(0, 50 * MS), (0, 85 * MS)]
+
+
+# --------------------------------------------------------------------------- ingest over OTLP/gRPC
+
+def test_grpc_receiver_takes_vllms_default_exporter_beside_http_into_one_run(tmp_path):
+    import grpc
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import Compression, OTLPSpanExporter
+
+    from instrument.otlp_grpc import METHOD, SERVICE
+
+    with _receiver(tmp_path, "--grpc-listen", "127.0.0.1:0") as (proc, (http_url, grpc_url)):
+        assert http_url.startswith("http://127.0.0.1:") and grpc_url.startswith("grpc://127.0.0.1:")
+        t0 = time.time_ns()
+        # What vLLM runs with --otlp-traces-endpoint grpc://HOST:4317 and OTEL_EXPORTER_OTLP_TRACES_INSECURE=true
+        _vllm_like_spans(OTLPSpanExporter(endpoint=grpc_url, insecure=True, compression=Compression.Gzip,
+                                          timeout=10), t0)
+        with grpc.insecure_channel(grpc_url.removeprefix("grpc://")) as channel:
+            export = channel.unary_unary(f"/{SERVICE}/{METHOD}")  # raw bytes in and out
+            with pytest.raises(grpc.RpcError) as bad:
+                export(b"\xff\xff\xff", timeout=10)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a protobuf ExportTraceServiceRequest" in bad.value.details()
+            assert export(b"", timeout=10) == b""  # an empty export is a valid one, answered with success
+        json_span = {"name": "llm_request", "traceId": TRACE, "spanId": "00f067aa0ba902b7",
+                     "startTimeUnixNano": str(t0 + 5 * MS), "endTimeUnixNano": str(t0 + 105 * MS),
+                     "attributes": [_attr(sc.GEN_AI_REQUEST_ID, "cmpl-http")]}
+        r = httpx.post(http_url, content=_json_payload([json_span]), headers={"Content-Type": "application/json"},
+                       timeout=10)
+        assert r.status_code == 200
+        run, counts = _stop_and_open(proc, signal.SIGINT, tmp_path)
+    assert counts == (2, 1, 1)
+    reqs, spans, to_mono = _received(run, t0)
+    assert set(reqs) == {"cmpl-1", "cmpl-http"}
+    _check_vllm_like_request(reqs["cmpl-1"], spans, t0 + to_mono)
+    assert reqs["cmpl-http"][col.ARRIVAL_NS] == t0 + 5 * MS + to_mono
+
+
+def test_grpc_listen_errors_exit_before_creating_the_store(tmp_path):
+    import socket
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    store = tmp_path / "store"
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port someone else holds
+        port = taken.getsockname()[1]
+        busy = subprocess.run(_ingest_cmd("--listen", "127.0.0.1:0", "--grpc-listen", f"127.0.0.1:{port}",
+                                          "--store", str(store)), capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=60)
+    assert busy.returncode == 1 and "Traceback" not in busy.stderr
+    assert f"cannot listen for OTLP/gRPC on 127.0.0.1:{port}: Address already in use" in busy.stderr
+    bad = subprocess.run(_ingest_cmd("--grpc-listen", "4317", "--store", str(store)), capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and "--grpc-listen must be HOST:PORT, e.g. 127.0.0.1:4317" in bad.stderr
+    no_grpc = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['grpc'] = None; from tokentrace.cli import main; main()",
+         "ingest-otlp", "--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--store", str(store)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert no_grpc.returncode == 2 and "pip install 'tokentrace[otlp-grpc]'" in no_grpc.stderr
+    assert "Traceback" not in no_grpc.stderr
+    assert not store.exists()

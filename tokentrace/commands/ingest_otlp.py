@@ -1,4 +1,4 @@
-"""``tokentrace ingest-otlp``: receive OTLP/HTTP traces (e.g. from vLLM) into a store."""
+"""``tokentrace ingest-otlp``: receive OTLP/HTTP and OTLP/gRPC traces (e.g. from vLLM) into a store."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import typer
 __all__ = ["register", "parse_listen"]
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, *, option: str = "--listen", example: str = "127.0.0.1:4318") -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port); ``ValueError`` if malformed."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--listen must be HOST:PORT, e.g. 127.0.0.1:4318; got {value!r}")
+        raise ValueError(f"{option} must be HOST:PORT, e.g. {example}; got {value!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
@@ -25,32 +25,48 @@ def ingest_otlp_command(
     listen: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = "127.0.0.1:4318",
     run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
     role: Annotated[str, typer.Option(help="Role recorded for the traced server (colocated, prefill, decode, ...).")] = "colocated",
+    grpc_listen: Annotated[Optional[str], typer.Option(
+        help="Also receive OTLP/gRPC on HOST:PORT (4317 by convention; needs grpcio).")] = None,
 ) -> None:
-    """Receive OTLP/HTTP spans on POST /v1/traces (protobuf or JSON) until Ctrl-C / SIGTERM.
+    """Receive OTLP/HTTP spans on POST /v1/traces (protobuf or JSON), and with --grpc-listen
+    OTLP/gRPC, until Ctrl-C / SIGTERM.
 
     vLLM's llm_request spans become requests rows and schedule.queue,
     prefill.compute and decode.compute spans; other spans are counted and ignored.
-    Point vLLM at it with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf and
-    --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces (vLLM defaults to gRPC).
+
+    vLLM exports over gRPC by default: with --grpc-listen 127.0.0.1:4317, start it with
+    OTEL_EXPORTER_OTLP_TRACES_INSECURE=true and --otlp-traces-endpoint grpc://127.0.0.1:4317.
+
+    Over HTTP: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf and
+    --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces.
     """
     from instrument.otlp_ingest import serve_otlp
 
     try:
         host, port = parse_listen(listen)
+        grpc_address = (None if grpc_listen is None
+                        else parse_listen(grpc_listen, option="--grpc-listen", example="127.0.0.1:4317"))
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
 
-    def ready(url: str, run_id: str | None) -> None:
-        typer.echo(f"listening on {url} (store {store}, run {run_id})")
+    def ready(urls: list[str], run_id: str | None) -> None:
+        typer.echo(f"listening on {' and '.join(urls)} (store {store}, run {run_id})")
 
     try:
-        summary = serve_otlp(host=host, port=port, store=str(store), run=run, role=role, on_ready=ready)
+        summary = serve_otlp(host=host, port=port, store=str(store), run=run, role=role,
+                             grpc_listen=grpc_address, on_ready=ready)
+    except ImportError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     except OSError as err:
-        typer.echo(f"error: cannot listen on {listen} or write {store}: {err.strerror or err}", err=True)
+        message = err.strerror or str(err)
+        if not message.startswith("cannot listen"):  # the store could not be created
+            message = f"cannot write the store {store}: {message}"
+        typer.echo(f"error: {message}", err=True)
         raise typer.Exit(1) from None
     counts = ", ".join(f"{k}={v}" for k, v in summary.counts.items())
     typer.echo(f"stopped; run {summary.run_id}: {counts}")
