@@ -27,7 +27,7 @@ from reference_server.engine.scheduler import Scheduler, SchedulerOutput
 from reference_server.engine.sequence import FinishReason, PreemptionMode, Sequence, StopChecker
 from reference_server.model import (
     IncrementalDetokenizer, ModelConfig, ModelRunner, Sampler, SamplingParams, SeqChunk, Tokenizer,
-    load_tokenizer, make_generator,
+    load_tokenizer, make_generator, seed_for_token,
 )
 
 __all__ = ["Engine"]
@@ -256,6 +256,9 @@ class Engine:
         logits = self.runner.execute(chunks)  # (num sampling chunks, vocab)
         if not samplers:
             return {}
+        for s in samplers:  # token i's draws depend on (seed, i) only: handoff and resume reproduce them
+            if s.generator is not None:
+                s.generator.manual_seed(seed_for_token(s.sampling.seed, s.num_output_tokens))
         tokens = self.sampler.sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
         return {s.request_id: t for s, t in zip(samplers, tokens)}
 

@@ -12,7 +12,7 @@ engine thread (between steps), used by the serving layer's workers:
   ``Engine.prepare_request`` enters the engine already running: its blocks are
   allocated, the transferred bytes written into them, its output tokens so far appended,
   and decoding continues from the last one, exactly as if it had been prefilled here
-  (greedy output is identical to serving it on one engine).
+  (greedy and seeded output is identical to serving it on one engine).
 * :func:`resume`: a request continues after ``output_token_ids`` were already delivered
   elsewhere (its worker died): it is queued with those tokens appended and recomputes
   prompt and tokens as one prefill (like a recompute-preempted request), then samples

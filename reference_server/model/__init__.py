@@ -6,7 +6,7 @@ Public API (what the engine uses):
 * :class:`ModelRunner` / :class:`SeqChunk`: one forward pass of a mixed batch of
   prefill chunks and decode tokens; :func:`num_blocks_for_memory`;
 * :class:`KVStorage`: the device / host / disk block pools and copies between them;
-* :class:`SamplingParams`, :class:`Sampler`, :func:`make_generator`;
+* :class:`SamplingParams`, :class:`Sampler`, :func:`make_generator`, :func:`seed_for_token`;
 * :class:`Tokenizer`, :class:`ByteTokenizer`, :class:`HFTokenizer`,
   :class:`IncrementalDetokenizer`, :func:`load_tokenizer`, :func:`apply_chat_template`;
 * :func:`load_checkpoint` / :func:`save_checkpoint` for HF-format folders.
@@ -25,7 +25,7 @@ from reference_server.model.kv_storage import (
 )
 from reference_server.model.llama import LlamaModel
 from reference_server.model.runner import ModelRunner, SeqChunk, num_blocks_for_memory
-from reference_server.model.sampling import Sampler, SamplingParams, make_generator
+from reference_server.model.sampling import Sampler, SamplingParams, make_generator, seed_for_token
 from reference_server.model.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -40,5 +40,5 @@ __all__ = [
     "ByteTokenizer", "HFTokenizer", "IncrementalDetokenizer", "KVStorage", "LlamaModel",
     "ModelConfig", "ModelRunner", "Sampler", "SamplingParams", "SeqChunk", "Tokenizer",
     "apply_chat_template", "kv_bytes_per_block", "load_checkpoint", "load_tokenizer",
-    "make_generator", "num_blocks_for_memory", "save_checkpoint", "select_device",
+    "make_generator", "num_blocks_for_memory", "save_checkpoint", "seed_for_token", "select_device",
 ]

@@ -3,6 +3,11 @@
 Greedy rows (temperature 0) take the argmax and draw no random numbers. Random
 rows draw their noise from their own ``torch.Generator`` when the request has a
 seed, so a seeded request gives the same tokens whatever else is in the batch.
+The engine reseeds that generator for every output token from the request's
+seed and the token's index (:func:`seed_for_token`), so the draws for token ``i``
+do not depend on how many draws came before on this engine: a seeded request
+gives the same tokens when its prefill and decode run on different engines, or
+when it resumes on another worker after the first one died.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(
                 isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
@@ -90,6 +95,21 @@ def make_generator(seed: int | None, device: str | torch.device) -> torch.Genera
     if seed is None:
         return None
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seed_for_token(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``.
+
+    SplitMix64's finaliser over ``seed`` and ``index``: neighbouring seeds and indices
+    give unrelated streams. A pure function, so any engine reproduces any token's draws.
+    """
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class Sampler:

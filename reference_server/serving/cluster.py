@@ -11,8 +11,8 @@ sees one stream: tokens are relayed in index order, duplicates dropped.
 Recovery: a worker is dead on EOF of its control connection or after
 ``heartbeat_timeout_s`` without a pong. Its in-flight requests are sent again, earliest
 ``ttft_deadline_ns`` first, continuing after the tokens already delivered (the new worker
-recomputes prompt + delivered tokens and samples the next one, so greedy output is
-identical): a request with no token yet goes to the full path again; one with tokens
+recomputes prompt + delivered tokens and samples the next one, so greedy and seeded
+output is identical): a request with no token yet goes to the full path again; one with tokens
 goes to a colocated worker, or in disagg mode to a decode worker. A request whose prefill
 worker died after its KV reached the decode worker is not affected. When no worker of
 the needed role is left, the stream ends with :class:`BackendUnavailable`.

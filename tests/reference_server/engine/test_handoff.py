@@ -1,7 +1,9 @@
 """Handoff between two engines: export after prefill, admit with the KV, resume.
 
-Two engines with the same seed hold the same weights, so a greedy request prefilled on
-one and continued on the other must produce the tokens of a plain run on one engine."""
+Two engines with the same seed hold the same weights, so a request prefilled on one and
+continued on the other must produce the tokens of a plain run on one engine: greedy, and
+seeded sampling too (each token's random draws depend on the request's seed and the
+token's index only)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from reference_server.model import SamplingParams
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
 PROMPT = "Disaggregated serving moves the KV cache."  # 42 tokens with bos: 11 blocks of 4, the last partial
 
 
@@ -32,13 +35,16 @@ def run(engine: Engine) -> dict[str, list[int]]:
     return tokens
 
 
-def reference(prompt: str = PROMPT) -> list[int]:
+def reference(sampling: SamplingParams = GREEDY) -> list[int]:
     with make_engine() as e:
-        return list(e.generate([prompt], GREEDY)[0].token_ids)
+        tokens = list(e.generate([PROMPT], sampling)[0].token_ids)
+    if sampling is SEEDED:
+        assert tokens != reference(GREEDY)  # really sampled, not argmax
+    return tokens
 
 
-def prefill_and_export(engine: Engine, rid: str = "r"):
-    engine.add_request(rid, PROMPT, GREEDY)
+def prefill_and_export(engine: Engine, rid: str = "r", sampling: SamplingParams = GREEDY):
+    engine.add_request(rid, PROMPT, sampling)
     outs = engine.step()  # the whole prompt fits one step: prefill + first token
     assert [o.token_index for o in outs] == [0]
     return outs[0], export_prefilled(engine, rid)
@@ -58,11 +64,12 @@ def test_export_frees_blocks_and_reports_transferred():
         assert [f.reason for f in finished] == [HANDOFF_FINISH_REASON]
 
 
-def test_admitted_request_continues_identically():
-    expected = reference()
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_admitted_request_continues_identically(sampling):
+    expected = reference(sampling)
     with make_engine() as src, make_engine(num_device_blocks=40) as dst:
-        first, state = prefill_and_export(src)
-        seq = dst.prepare_request("r", PROMPT, GREEDY)
+        first, state = prefill_and_export(src, sampling=sampling)
+        seq = dst.prepare_request("r", PROMPT, sampling)
         assert admit_prefilled(dst, seq, state.output_token_ids, state.data)
         rest = run(dst)["r"]
         assert [first.token_id, *rest] == expected
@@ -91,11 +98,12 @@ def test_admit_rejects_a_wrong_byte_count():
         assert dst.block_manager.usage().num_used == (0, 0, 0)
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("num_delivered", [1, 4])
-def test_resume_continues_after_delivered_tokens(num_delivered):
-    expected = reference()
+def test_resume_continues_after_delivered_tokens(num_delivered, sampling):
+    expected = reference(sampling)
     with make_engine() as e:
-        seq = e.prepare_request("r", PROMPT, GREEDY)
+        seq = e.prepare_request("r", PROMPT, sampling)
         resume(e, seq, expected[:num_delivered])
         outs = []
         while e.has_unfinished():

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_server.model.sampling import Sampler, SamplingParams, make_generator
+from reference_server.model.sampling import Sampler, SamplingParams, make_generator, seed_for_token
 
 torch.set_num_threads(1)
 VOCAB = 50
@@ -95,6 +95,8 @@ def test_make_generator_none_seed() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"seed": -(1 << 63) - 1}, "seed"),
         ({"stop": ("",)}, "stop"),
         ({"ignore_eos": 1}, "ignore_eos"),
     ],
@@ -115,3 +117,11 @@ def test_from_dict() -> None:
         SamplingParams.from_dict({"top_p": 2})
     with pytest.raises(ValueError, match="must be an object"):
         SamplingParams.from_dict(["max_tokens"])  # type: ignore[arg-type]
+
+
+def test_seed_for_token_is_a_pure_64_bit_mix_of_seed_and_index() -> None:
+    seeds = {seed_for_token(seed, index) for seed in range(-2, 40) for index in range(40)}
+    assert len(seeds) == 42 * 40  # no two (seed, index) pairs share a stream
+    assert all(0 <= s < 1 << 64 for s in seeds)
+    assert seed_for_token(1234, 5) == seed_for_token(1234, 5)
+    assert seed_for_token(2**63 + 5, 0) != seed_for_token(5, 0)

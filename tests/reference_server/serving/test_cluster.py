@@ -31,6 +31,7 @@ CONFIG = EngineConfig(model="tiny", block_size=16, num_device_blocks=128, device
 PROMPTS = [f"Request {i} asks about topic {i * 7} and nothing else." for i in range(6)]
 SHORT = SamplingParams(max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+SEEDED_LONG = SamplingParams(max_tokens=200, temperature=1.0, seed=7, ignore_eos=True)
 
 
 class LoopThread:
@@ -297,11 +298,15 @@ def test_colocated_worker_killed_mid_stream_then_restarted(colocated, loop):
 
 
 def test_decode_worker_killed_mid_stream_continues_identically(disagg, loop):
+    # Seeded sampling, not greedy: prefilled on one worker, decoded on another, resumed on a third after
+    # the kill, and still the tokens of one plain engine (each token's draws depend on seed and index).
     backend, events = disagg
     prompts = PROMPTS[:4]
-    want = expected_completions(prompts, LONG)
+    want = expected_completions(prompts, SEEDED_LONG)
+    assert want[0].token_ids != expected_completions(prompts[:1], LONG)[0].token_ids  # really sampled
     before = backend.num_redispatched
-    victim, _, outcomes = kill_and_finish(backend, loop, lambda heads: heads[0][1].instance, prompts, LONG, "kd")
+    victim, _, outcomes = kill_and_finish(backend, loop, lambda heads: heads[0][1].instance, prompts, SEEDED_LONG,
+                                          "kd")
     assert victim.startswith("decode-")
     for got, completion in zip(outcomes, want):
         assert tuple(e.token_id for e in got) == completion.token_ids
