@@ -171,6 +171,32 @@ class Engine:
             self._emit("on_request_aborted", RequestAborted(request_id, seq.num_output_tokens, time.monotonic_ns()))
         return True
 
+    def release_transferred(self, request_id: str, reason: str) -> Sequence:
+        """End a running request that continues on another engine: free its blocks (full
+        ones stay in the prefix cache), drop its detokenizer, and report ``RequestFinished``
+        with ``reason``. Counted neither as finished nor as aborted. ``ValueError`` if it is
+        not running. Engine thread, between steps."""
+        seq = self.scheduler.running.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is not running")
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._detok.pop(request_id, None)
+        if self._observers:
+            self._emit("on_request_finished", RequestFinished(
+                request_id, self._num_steps, reason, seq.num_output_tokens, seq.num_cached_tokens,
+                time.monotonic_ns()))
+        return seq
+
+    def replay_outputs(self, seq: Sequence, output_token_ids: Seq[int]) -> None:
+        """Append output tokens produced elsewhere to ``seq`` (added, not yet scheduled) and
+        push them through its detokenizer and stop checker, so the text it streams next
+        continues the text already delivered. Engine thread."""
+        detok, stop = self._detok[seq.request_id], seq.stop
+        for token in output_token_ids:
+            seq.token_ids.append(token)
+            if stop is not None:
+                stop.push(detok.push(token))
+
     def preempt(self, request_id: str, *, mode: str | None = None) -> str:
         """Preempt a running request now (``mode`` "swap" or "recompute"; default from
         the config). Returns the mode used; ``ValueError`` if it is not running."""

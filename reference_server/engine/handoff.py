@@ -24,14 +24,12 @@ so streamed text continues where the other engine left off.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from reference_server.engine.engine import Engine
-from reference_server.engine.hooks import RequestFinished
 from reference_server.engine.prefix_cache import PrefixMatch
-from reference_server.engine.sequence import FinishReason, Sequence, SequenceStatus
+from reference_server.engine.sequence import Sequence
 
 __all__ = ["HANDOFF_FINISH_REASON", "PrefilledKV", "admit_prefilled", "export_prefilled", "resume"]
 
@@ -65,12 +63,7 @@ def export_prefilled(engine: Engine, request_id: str) -> PrefilledKV:
     data = engine.runner.storage.export_blocks(table[:num_blocks])
     state = PrefilledKV(request_id, seq.num_computed_tokens, tuple(seq.output_token_ids), seq.num_cached_tokens,
                         num_blocks, data)
-    engine.scheduler.finish(seq, FinishReason.ABORT)  # frees its blocks; reported as "transferred" below
-    engine._detok.pop(request_id, None)
-    if engine._observers:
-        engine._emit("on_request_finished", RequestFinished(
-            request_id, engine._num_steps, HANDOFF_FINISH_REASON, seq.num_output_tokens, seq.num_cached_tokens,
-            time.monotonic_ns()))
+    engine.release_transferred(request_id, HANDOFF_FINISH_REASON)
     return state
 
 
@@ -97,14 +90,10 @@ def admit_prefilled(engine: Engine, seq: Sequence, output_token_ids: Seq[int], d
     except Exception:
         bm.free(seq)
         raise
-    _replay_outputs(engine, seq, output_token_ids)
+    engine.replay_outputs(seq, output_token_ids)
     seq.num_computed_tokens = num_computed
     seq.prefill_end = num_computed  # the next chunk is a decode of the last output token
-    scheduler = engine.scheduler
-    del scheduler.waiting[seq.request_id]
-    seq.status = SequenceStatus.RUNNING
-    scheduler.running[seq.request_id] = seq
-    scheduler.tenants[seq.tenant].num_running += 1
+    engine.scheduler.start_running(seq)
     bm.commit(seq)  # key its full blocks: later requests with this prefix share them
     return True
 
@@ -119,17 +108,7 @@ def resume(engine: Engine, seq: Sequence, output_token_ids: Seq[int]) -> None:
         raise ValueError(f"request {seq.request_id!r} has no output tokens left to generate")
     _check_tokens(engine, output_token_ids)
     engine.add_prepared(seq)
-    _replay_outputs(engine, seq, output_token_ids)
-
-
-def _replay_outputs(engine: Engine, seq: Sequence, output_token_ids: Seq[int]) -> None:
-    """Append carried output tokens and push them through the detokenizer and stop
-    checker, so later text deltas continue the text already streamed."""
-    detok, stop = engine._detok[seq.request_id], seq.stop
-    for token in output_token_ids:
-        seq.token_ids.append(token)
-        if stop is not None:
-            stop.push(detok.push(token))
+    engine.replay_outputs(seq, output_token_ids)
 
 
 def _check_tokens(engine: Engine, token_ids: Seq[int]) -> None:

@@ -186,6 +186,16 @@ class Scheduler:
         self.finish(seq, FinishReason.ABORT)
         return seq
 
+    def start_running(self, seq: Sequence) -> None:
+        """Move queued ``seq`` to running now, outside ``schedule``: for a request whose KV
+        was computed elsewhere (a prefill engine's transfer), so its next chunk is a decode.
+        ``KeyError`` if it is not waiting."""
+        del self.waiting[seq.request_id]
+        seq.status = SequenceStatus.RUNNING
+        seq.preempt_mode = None
+        self.running[seq.request_id] = seq
+        self.tenants[seq.tenant].num_running += 1
+
     def preempt(self, request_id: str, mode: PreemptionMode | None = None) -> PreemptionMode:
         """Preempt a running request (swap falls back to recompute when the lower tier
         is full). Returns the mode used; ``ValueError`` if it is not running."""
@@ -304,14 +314,10 @@ class Scheduler:
         self.policy.on_scheduled(seq, n, is_new=is_new)
 
     def _to_running(self, seq: Sequence, plan: _StepPlan, resumed: PreemptionMode | None) -> None:
-        del self.waiting[seq.request_id]
         if resumed is not None:
             self.num_preempted -= 1
             plan.resumed.append(PreemptionRecord(seq.request_id, resumed))
-        seq.status = SequenceStatus.RUNNING
-        seq.preempt_mode = None
-        self.running[seq.request_id] = seq
-        self.tenants[seq.tenant].num_running += 1
+        self.start_running(seq)
 
     def _preempt(self, seq: Sequence, mode: PreemptionMode) -> PreemptionMode:
         if mode is PreemptionMode.SWAP and not self.block_manager.swap_out(seq):
