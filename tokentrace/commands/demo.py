@@ -32,8 +32,10 @@ def demo_command(
     run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: the server's choice).")] = None,
 ) -> None:
-    """Serve the reference server disaggregated under `tokentrace run`, replay a Mooncake slice
-    with three tenants, print where the time went, then serve the dashboard."""
+    """Replay a real trace through the traced reference server, print where the time went, serve the dashboard.
+
+    The reference server runs disaggregated under `tokentrace run`; a Mooncake slice drives it.
+    Three tenants share it."""
     from tokentrace.demo import DemoOptions, run_demo
     from tokentrace.demo_server import ServerStartError
     from tokentrace.store import StoreError

@@ -28,17 +28,17 @@ def ingest_otlp_command(
     grpc_listen: Annotated[Optional[str], typer.Option(
         help="Also receive OTLP/gRPC on HOST:PORT (4317 by convention; needs grpcio).")] = None,
 ) -> None:
-    """Receive OTLP/HTTP spans on POST /v1/traces (protobuf or JSON), and with --grpc-listen
-    OTLP/gRPC, until Ctrl-C / SIGTERM.
+    """Receive OTLP traces (e.g. vLLM's) into a store until Ctrl-C / SIGTERM: HTTP, and gRPC with --grpc-listen.
 
-    vLLM's llm_request spans become requests rows and schedule.queue,
-    prefill.compute and decode.compute spans; other spans are counted and ignored.
+    OTLP/HTTP on POST /v1/traces (protobuf or JSON); OTLP/gRPC's TraceService/Export.
+    vLLM's llm_request spans become requests rows and queue, prefill and decode spans.
+    Other spans are counted and ignored.
 
-    vLLM exports over gRPC by default: with --grpc-listen 127.0.0.1:4317, start it with
-    OTEL_EXPORTER_OTLP_TRACES_INSECURE=true and --otlp-traces-endpoint grpc://127.0.0.1:4317.
+    vLLM exports over gRPC by default. With --grpc-listen 127.0.0.1:4317, start it as:
+    OTEL_EXPORTER_OTLP_TRACES_INSECURE=true vllm serve MODEL --otlp-traces-endpoint grpc://127.0.0.1:4317
 
-    Over HTTP: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf and
-    --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces.
+    Over HTTP (no grpcio needed):
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf vllm serve MODEL --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces
     """
     from instrument.otlp_ingest import serve_otlp
 
