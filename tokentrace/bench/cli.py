@@ -104,7 +104,7 @@ def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, floa
                            config={"settings": settings, "slo_ms": slo_ms})
     except OSError as err:
         _usage_error(f"cannot write the store {store}: {err}")
-    summary = summarize(plan.requests, result.outcomes, slo_ms=slo_ms,
+    summary = summarize(plan.requests, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
                         settings={**settings, "run_id": result.run_id, "workload": plan.config})
     if output == "json":
         print(json.dumps(summary.as_dict(), indent=2, default=str))

@@ -7,6 +7,12 @@ length (``--max-requests``) and by ``duration_s``: no request is sent after it,
 and requests still in flight ``drain_s`` later are cancelled and recorded as
 aborted (what arrived of them is kept).
 
+The run's start (:attr:`BenchRun.start_ns`) is when the dispatcher began, after
+the HTTP clients exist; request ``i`` is due at ``start + offset_i``. How late
+each one actually went out (its *send lag*) is in the summary: under an open
+loop a client that cannot keep up would otherwise under-drive the server
+without saying so.
+
 Every outcome goes to a :class:`~tokentrace.recorder.Recorder` (instance role
 ``client``): the request row (key = the ``X-Request-Id`` sent, arrival = send
 time, first token, finish, status, error kind) and one token row per received
@@ -68,6 +74,7 @@ class BenchRun:
     run_path: Path | None = None
     counters: dict[str, int] = field(default_factory=dict)
     config_recorded: bool = False  # the bench settings are in the run manifest's merged config
+    start_ns: int = -1  # the dispatcher's start (monotonic ns): request i is due at start_ns + offset_i
 
 
 def status_of(outcome: Outcome) -> RequestStatus:
@@ -98,8 +105,9 @@ def record_outcome(recorder: Recorder, req: PlannedRequest, outcome: Outcome) ->
 
 
 async def run_plan(plan: Plan, opts: RequestOptions, limits: RunLimits, *, recorder: Recorder | None = None,
-                   progress: ProgressListener | None = None) -> list[Outcome]:
-    """Send the plan (see module doc) and return the outcomes of the requests sent, in send order."""
+                   progress: ProgressListener | None = None) -> tuple[list[Outcome], int]:
+    """Send the plan (see module doc); the outcomes of the requests sent, in send order, and the
+    run's start (monotonic ns; request ``i`` was due at ``start + offset_i``)."""
     listener = progress or NullProgress()
     sem = asyncio.Semaphore(limits.concurrency) if limits.concurrency else None
     tasks: list[tuple[PlannedRequest, asyncio.Task[Outcome]]] = []
@@ -116,7 +124,8 @@ async def run_plan(plan: Plan, opts: RequestOptions, limits: RunLimits, *, recor
         return outcome
 
     async with ClientShards(opts, num_shards=min(limits.concurrency or 64, 64)) as shards:
-        start = time.monotonic()  # after the clients exist: building them (SSL context) takes ~40 ms
+        start_ns = time.monotonic_ns()  # after the clients exist: building them (SSL context) takes ~40 ms
+        start = start_ns / 1e9
         send_deadline = start + limits.duration_s
         for req in plan.requests:
             delay = start + req.offset_s - time.monotonic()
@@ -141,7 +150,7 @@ async def run_plan(plan: Plan, opts: RequestOptions, limits: RunLimits, *, recor
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-    return [_result(req, task, recorder, listener) for req, task in tasks]
+    return [_result(req, task, recorder, listener) for req, task in tasks], start_ns
 
 
 def _result(req: PlannedRequest, task: asyncio.Task[Outcome], recorder: Recorder | None,
@@ -181,16 +190,17 @@ def run_bench(plan: Plan, opts: RequestOptions, limits: RunLimits, *, store: str
         recorder = open_recorder(store, run_id=run_id, config={
             **(run_config or {}), BENCH_CONFIG_KEY: {**plan.config, **(config or {})}})
     try:
-        outcomes = asyncio.run(run_plan(plan, opts, limits, recorder=recorder, progress=progress))
+        outcomes, start_ns = asyncio.run(run_plan(plan, opts, limits, recorder=recorder, progress=progress))
     finally:
         if progress is not None:
             progress.close()
         if recorder is not None:
             recorder.close()
     if recorder is None:
-        return BenchRun(tuple(outcomes), len(plan.requests))
+        return BenchRun(tuple(outcomes), len(plan.requests), start_ns=start_ns)
     sink = recorder.sink
     assert isinstance(sink, StoreWriter)
     # Every writer's config is merged into the run's manifest (the first to name a key wins).
     recorded = BENCH_CONFIG_KEY in read_manifest(sink.run_path).get("config", {})
-    return BenchRun(tuple(outcomes), len(plan.requests), sink.run_id, sink.run_path, recorder.counters, recorded)
+    return BenchRun(tuple(outcomes), len(plan.requests), sink.run_id, sink.run_path, recorder.counters, recorded,
+                    start_ns)

@@ -8,7 +8,11 @@ Definitions (per successful request; times on the client's monotonic clock):
 * ITL = gap between consecutive token chunks, every gap of every request;
 * duration = first send -> last response, seconds; request throughput = completed / duration;
   output token throughput = output tokens / duration; total token throughput adds input tokens;
-* goodput = completed requests that meet every ``--slo`` target (ttft, tpot, e2el, in ms) / duration.
+* goodput = completed requests that meet every ``--slo`` target (ttft, tpot, e2el, in ms) / duration;
+* send lag = request sent - when the plan said it was due (run start + its offset), every request
+  sent and not cancelled. Not in ``vllm bench serve``: under an open loop it says whether the client
+  kept to the arrival schedule (a lagging client under-drives the server, and the latencies above
+  then describe a lighter load than planned); under ``--concurrency`` it is the wait for a free slot.
 
 Output tokens are the server's ``usage.completion_tokens`` when it reports it, else the
 chunks counted; input tokens likewise ``usage.prompt_tokens`` or the planned length. JSON
@@ -76,6 +80,7 @@ class BenchSummary:
     slo_ms: dict[str, float] = field(default_factory=dict)
     num_good: int = 0
     settings: dict[str, Any] = field(default_factory=dict)  # run settings echoed in JSON
+    send_lag_ms: np.ndarray | None = None  # per request sent; None when the run's start is unknown
 
     @property
     def num_failed(self) -> int:
@@ -101,6 +106,9 @@ class BenchSummary:
             out[f"std_{m}_ms"] = _stat(np.std, v)
             for p in self.percentiles:
                 out[f"p{percentile_key(p)}_{m}_ms"] = _stat(lambda x: np.percentile(x, p), v)
+        lag = self.send_lag_ms
+        for name, fn in (("median", np.median), ("p99", lambda x: np.percentile(x, 99)), ("max", np.max)):
+            out[f"{name}_send_lag_ms"] = None if lag is None else _stat(fn, lag)
         if self.slo_ms:
             out["slo_ms"] = dict(self.slo_ms)
         out.update(self.settings)
@@ -113,8 +121,10 @@ def _stat(fn: Any, v: np.ndarray) -> float:
 
 
 def summarize(plan: Sequence[PlannedRequest], outcomes: Sequence[Outcome], *, percentiles: Sequence[float] = (90, 99),
-              slo_ms: dict[str, float] | None = None, settings: dict[str, Any] | None = None) -> BenchSummary:
-    """Metrics over ``outcomes`` (one per sent request; ``plan`` gives planned prompt lengths)."""
+              slo_ms: dict[str, float] | None = None, settings: dict[str, Any] | None = None,
+              start_ns: int | None = None) -> BenchSummary:
+    """Metrics over ``outcomes`` (one per sent request; ``plan`` gives planned prompt lengths and
+    offsets). ``start_ns``: the run's start (``BenchRun.start_ns``), for the send lag."""
     by_index = {r.index: r for r in plan}
     ttft, tpot, itl, e2el = [], [], [], []
     inputs = outputs = good = 0
@@ -149,6 +159,9 @@ def summarize(plan: Sequence[PlannedRequest], outcomes: Sequence[Outcome], *, pe
                     (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el))},
         percentiles=tuple(percentiles), slo_ms=dict(slo), num_good=good if slo else 0,
         settings=dict(settings or {}),
+        send_lag_ms=None if start_ns is None or start_ns < 0 else np.asarray(
+            [(o.send_ns - start_ns - round(by_index[o.index].offset_s * 1e9)) / 1e6 for o in outcomes
+             if not o.cancelled], dtype=float),
     )
 
 
@@ -186,6 +199,11 @@ def render_text(s: BenchSummary, *, header_lines: Sequence[str] = ()) -> str:
         row(f"Median {short} (ms):", d[f"median_{m}_ms"])
         for p in s.percentiles:
             row(f"P{percentile_key(p)} {short} (ms):", d[f"p{percentile_key(p)}_{m}_ms"])
+    if s.send_lag_ms is not None:
+        lines.append(f"{'Send lag (sent - due by the schedule)':-^50}")
+        row("Median send lag (ms):", d["median_send_lag_ms"])
+        row("P99 send lag (ms):", d["p99_send_lag_ms"])
+        row("Max send lag (ms):", d["max_send_lag_ms"])
     lines.append("=" * 50)
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,3 +79,19 @@ def test_text_rendering_uses_vllm_labels():
 def test_empty_run_gives_zeros_not_nans():
     d = summarize([], []).as_dict()
     assert d["completed"] == 0 and d["mean_ttft_ms"] == 0.0 and d["request_throughput"] == 0.0
+
+
+def test_send_lag_is_each_send_against_its_due_time():
+    # Due at start 100 ms + offsets 0, 2, 4 ms; sent at 0, 5, 6 ms after 100 ms: lags 0, 3, 2 ms.
+    plan = [PlannedRequest(i, f"k{i}", TextRequest("", "x" * 10, 3), offset) for i, offset in
+            enumerate((0.0, 0.002, 0.004))]
+    shifted = [dataclasses.replace(o, send_ns=o.send_ns + 100 * MS, recv_ns=tuple(t + 100 * MS for t in o.recv_ns),
+                                   finish_ns=o.finish_ns + 100 * MS) for o in _outcomes()]
+    s = summarize(plan, shifted, start_ns=100 * MS)
+    assert list(s.send_lag_ms) == pytest.approx([0.0, 3.0, 2.0])  # failed requests were sent too
+    d = s.as_dict()
+    assert (d["median_send_lag_ms"], d["max_send_lag_ms"]) == pytest.approx((2.0, 3.0))
+    assert "P99 send lag (ms):" in render_text(s)
+    unknown = summarize(plan, shifted)  # no start given: no lag, and the text leaves the section out
+    assert unknown.send_lag_ms is None and unknown.as_dict()["p99_send_lag_ms"] is None
+    assert "send lag" not in render_text(unknown)
