@@ -34,6 +34,7 @@ each layer reuses them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -95,7 +96,7 @@ class DecodeBucket:
     mask: torch.Tensor | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no slots: the padded decode indices below are cached on first use
 class AttentionMetadata:
     """Where a step's tokens go in the paged cache and what each may attend to.
 
@@ -104,8 +105,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64 flat cache slot of each new token
     decode_token_idx: torch.Tensor  # (num_decode,) int64 rows of the one-token chunks
-    decode_block_tables: torch.Tensor  # (num_decode, max_blocks) int64, padded with block 0
-    decode_mask: torch.Tensor  # (num_decode, 1, 1, max_blocks * block_size) bool, False on padding
     prefills: tuple[PrefillGroup, ...]
     num_tokens: int
     buffers: GatherBuffers | None = None  # scratch for gathers; None = allocate each time
@@ -116,6 +115,26 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None = None  # (sum of num_rows * num_blocks,) int64
     # Set instead of the buckets when the decode rows go to the compiled kernel.
     kernel_rows: DecodeRows | None = None
+    # Each decode row's context length and block table, in row order.
+    decode_context_lens: tuple[int, ...] = ()
+    decode_tables: tuple[Sequence[int], ...] = ()
+    block_size: int = 1
+
+    @functools.cached_property
+    def _padded_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _decode_indices(list(self.decode_context_lens), list(self.decode_tables), self.block_size,
+                               self.slot_mapping.device)
+
+    @property
+    def decode_block_tables(self) -> torch.Tensor:
+        """(num_decode, max_blocks) int64, padded with block 0. Built on first use: the engine's
+        attention paths (buckets, kernel) never need it; a dense padded baseline does."""
+        return self._padded_decode[0]
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """(num_decode, 1, 1, max_blocks * block_size) bool, False on padding; built on first use."""
+        return self._padded_decode[1]
 
 
 # Fixed cost of one more decode bucket per layer (an SDPA call, two index ops),
@@ -164,7 +183,6 @@ def build_attention_metadata(
         row += length
     decode_lens = [start_positions[i] + 1 for i in decode_chunks]
     decode_tables = [block_tables[i] for i in decode_chunks]
-    padded_tables, decode_mask = _decode_indices(decode_lens, decode_tables, block_size, device)
     kernel_rows = None
     if decode_kernel and decode_rows:
         kernel_rows = decode_rows_for_kernel(decode_lens, decode_tables, block_size)
@@ -175,14 +193,15 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         decode_token_idx=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-        decode_block_tables=padded_tables,
-        decode_mask=decode_mask,
         prefills=tuple(prefills),
         num_tokens=row,
         buffers=buffers,
         decode_buckets=buckets,
         decode_block_ids=decode_block_ids,
         kernel_rows=kernel_rows,
+        decode_context_lens=tuple(decode_lens),
+        decode_tables=tuple(decode_tables),
+        block_size=block_size,
     )
 
 
