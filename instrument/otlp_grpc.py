@@ -20,15 +20,12 @@ Needs ``grpcio`` (``pip install 'tokentrace[otlp-grpc]'``); the HTTP receiver do
 from __future__ import annotations
 
 import errno
-import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from instrument.otlp_decode import PROTOBUF, PayloadError, response_body
-
-if TYPE_CHECKING:
-    from instrument.otlp_ingest import OtlpIngestor
+from instrument.otlp_ingest import OtlpIngestor, listen_error
 
 __all__ = ["GrpcReceiver", "SERVICE", "METHOD", "import_grpc"]
 
@@ -64,7 +61,7 @@ class GrpcReceiver:
             try:
                 socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
             except OSError as e:
-                raise OSError(e.errno, f"cannot listen for OTLP/gRPC on {target}: {os.strerror(e.errno) if e.errno else e}") from None
+                raise listen_error(e, "OTLP/gRPC", target) from None
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="otlp-grpc"),
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)])

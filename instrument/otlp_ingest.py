@@ -65,7 +65,7 @@ from tokentrace.schema import RequestStatus, Role, Stage, request_id_of
 
 _log = logging.getLogger("tokentrace")
 
-__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "serve_otlp", "IngestSummary",
+__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "serve_otlp", "listen_error", "IngestSummary",
            "SPANS_MAPPED", "SPANS_IGNORED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES"]
 
 SPANS_MAPPED = "otlp_spans_mapped"
@@ -257,6 +257,12 @@ class IngestSummary:
     """The OTLP/gRPC endpoint, when one was served."""
 
 
+def listen_error(err: OSError, protocol: str, address: str) -> OSError:
+    """``err`` from binding ``address`` as one sentence naming the protocol and address."""
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    return OSError(err.errno, f"cannot listen for {protocol} on {address}: {reason}")
+
+
 def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role: str = "colocated",
                grpc_listen: tuple[str, int] | None = None,
                on_ready: Callable[[list[str], str | None], None] | None = None) -> IngestSummary:
@@ -280,7 +286,7 @@ def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role
     try:
         sock = socket.create_server((host, port))
     except OSError as e:
-        raise OSError(e.errno, f"cannot listen for OTLP/HTTP on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+        raise listen_error(e, "OTLP/HTTP", f"{host}:{port}") from None
     receiver = None
     try:
         if grpc_listen is not None:
