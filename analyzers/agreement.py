@@ -4,7 +4,7 @@ The load generator (``tokentrace bench``) records, as instance role ``client``,
 when it sent each request (``requests.arrival_ns``) and when each token's chunk
 arrived (``tokens.recv_ns``). The server side records the same requests (joined on
 ``request_id``, derived from the ``X-Request-Id`` the client sent). On the run's
-reference clock (:func:`analyzers.align.align`):
+reference clock (:meth:`tokentrace.clock.RunClocks.align`):
 
 * client TTFT = recv(token 0) - send; client ITL_i = recv(i) - recv(i-1);
 * server TTFT and ITL_i = the server's token latencies (:func:`analyzers.timing.token_intervals`:
@@ -26,8 +26,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analyzers.align import align, client_instance_ids
+from analyzers.source import client_instance_ids
 from analyzers.timing import LATENCY, token_intervals
+from tokentrace.clock import RunClocks
 from tokentrace.schema import REQUESTS, TOKENS, col
 
 __all__ = ["client_token_times", "token_agreement", "ttft_agreement", "itl_agreement", "agreement_summary",
@@ -61,8 +62,9 @@ def client_token_times(requests: pa.Table, tokens: pa.Table, instances: pa.Table
                           CLIENT_NS: pd.Series(dtype="int64")})
     if not clients:
         return empty
-    req = _only(align(requests, REQUESTS.name, instances), clients, True)
-    tok = _only(align(tokens, TOKENS.name, instances), clients, True)
+    clocks = RunClocks.from_instances(instances)
+    req = _only(clocks.align(requests, REQUESTS.name), clients, True)
+    tok = _only(clocks.align(tokens, TOKENS.name), clients, True)
     if req.num_rows == 0 or tok.num_rows == 0:
         return empty
     exact = {pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int64Dtype()}.get  # ns stay exact (no float64)

@@ -22,7 +22,7 @@ from analyzers.source import Source
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
 from tokentrace.schema import col
 
-__all__ = ["PERCENTILES", "METRICS", "latency", "latency_samples", "latency_summary", "summarize"]
+__all__ = ["PERCENTILES", "METRICS", "latency", "latency_summary", "summarize"]
 
 METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e")
 
@@ -70,16 +70,6 @@ def latency(src: Source, *, by: str | None = None, window_s: float | None = None
                 row.update({pct_name(p): float("nan") for p in percentiles})
             rows.append(row)
     return pd.DataFrame(rows)
-
-
-def latency_samples(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> dict[str, np.ndarray]:
-    """Raw samples in ms per metric (ttft, tpot, e2e per request; itl per token); small tables only."""
-    src = Source.of_tables(requests=requests, tokens=tokens, instances=instances)
-    rf, tt = request_table(src), token_times(src)
-    f = src.df(f"SELECT {TTFT_NS}, {TPOT_NS}, {E2E_NS} FROM {rf} WHERE {col.FIRST_TOKEN_NS} IS NOT NULL")
-    itl = src.df(f"SELECT {LATENCY} FROM {tt} WHERE {col.TOKEN_INDEX} > 0")[LATENCY]
-    return {"ttft": (f[TTFT_NS] / 1e6).to_numpy(float), "tpot": (f[TPOT_NS].dropna() / 1e6).to_numpy(float),
-            "itl": (itl / 1e6).to_numpy(float), "e2e": (f[E2E_NS] / 1e6).to_numpy(float)}
 
 
 def summarize(samples: dict[str, np.ndarray], percentiles: tuple[float, ...] = PERCENTILES) -> pd.DataFrame:

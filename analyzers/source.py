@@ -3,7 +3,7 @@
 A :class:`Source` owns a private DuckDB connection holding one view per store
 table (``requests``, ``spans``, ``tokens``, ``steps``, ``cache_events``,
 ``instances``), every time column already shifted onto the run's reference
-clock (``t_ref = t_local + clock_offset_ns``, see :mod:`analyzers.align`).
+clock (``t_ref = t_local + clock_offset_ns``, see :mod:`tokentrace.clock.alignment`).
 Two more views hold the server's side only (client-role rows removed):
 ``srv_requests`` and ``srv_tokens``; ``srv_spans`` likewise.
 
@@ -32,7 +32,7 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from analyzers.align import latest_instances, time_columns
+from tokentrace.clock import OFFSET_COLUMN, RunClocks, aligned_time_sql, latest_instances, time_columns
 from tokentrace.schema import INSTANCES, TABLES, Role, Table, col
 
 __all__ = ["Source", "SERVER_VIEWS"]
@@ -77,7 +77,7 @@ class Source:
 
     @classmethod
     def of_run(cls, run: Any) -> "Source":
-        """A source streaming over the Parquet files of ``run`` (a ``tokentrace.store_reader.Run``)."""
+        """A source streaming over the Parquet files of ``run`` (a ``tokentrace.store.reader.Run``)."""
         con = duckdb.connect()
         raw: dict[str, str] = {}
         present = set()
@@ -104,13 +104,10 @@ class Source:
                manifest: Mapping[str, Any] | None, present: frozenset[str]) -> "Source":
         inst = latest_instances(instances) if instances is not None else INSTANCES.schema.empty_table()
         con.register("instances", inst)
-        offsets = {i: o or 0 for i, o in zip(inst.column(col.INSTANCE_ID).to_pylist(),
-                                             inst.column(col.CLOCK_OFFSET_NS).to_pylist())}
-        clients = [i for i, r in zip(inst.column(col.INSTANCE_ID).to_pylist(), inst.column(col.ROLE).to_pylist())
-                   if r == Role.CLIENT]
-        con.register("clock_offsets", pa.table({col.INSTANCE_ID: pa.array(list(offsets), pa.int64()),
-                                                "offset_ns": pa.array(list(offsets.values()), pa.int64())}))
-        shifted = any(offsets.values())
+        clocks = RunClocks.from_instances(inst)
+        clients = client_instance_ids(inst)
+        con.register("clock_offsets", clocks.offsets_table())
+        shifted = clocks.is_shifted
         for name, t in TABLES.items():
             if name == INSTANCES.name:
                 continue
@@ -134,10 +131,6 @@ class Source:
         row = self.con.execute(sql).fetchone()
         return None if row is None else row[0]
 
-    def has_rows(self, view: str) -> bool:
-        """Whether view/table ``view`` holds at least one row."""
-        return self.scalar(f"SELECT COUNT(*) FROM (SELECT 1 FROM {view} LIMIT 1)") > 0
-
     def cached(self, key: str, build: Any) -> Any:
         """``build()`` once per source and key; later calls return the same object."""
         if key not in self._cache:
@@ -152,7 +145,7 @@ def _parquet_select(con: duckdb.DuckDBPyConnection, files: list[Any], name: str)
     reader's migrations say, and the groups are unioned by column name. ``None``
     when no file is readable (unreadable ones warn through ``part_info``).
     """
-    from tokentrace.store_files import part_info, renames_since
+    from tokentrace.store.files import part_info, renames_since
 
     by_version: dict[int, list[str]] = {}
     for f in files:
@@ -182,8 +175,16 @@ def _aligned_select(con: duckdb.DuckDBPyConnection, raw: str, t: Table, shifted:
         if c.name not in have:
             parts.append(f"CAST(NULL AS {_DUCK_TYPES[c.type]}) AS {c.name}")
         elif shifted and c.name in times:
-            parts.append(f"CAST(r.{c.name} + COALESCE(o.offset_ns, 0) AS {_DUCK_TYPES[c.type]}) AS {c.name}")
+            aligned = aligned_time_sql(f"r.{c.name}", f"o.{OFFSET_COLUMN}")
+            parts.append(f"CAST({aligned} AS {_DUCK_TYPES[c.type]}) AS {c.name}")
         else:
             parts.append(f"CAST(r.{c.name} AS {_DUCK_TYPES[c.type]}) AS {c.name}")
     join = f" LEFT JOIN clock_offsets o ON r.{col.INSTANCE_ID} = o.{col.INSTANCE_ID}" if shifted else ""
     return f"SELECT {', '.join(parts)} FROM {raw} r{join}"
+
+
+def client_instance_ids(instances: pa.Table) -> list[int]:
+    """Instances whose role is ``client`` (the load generator's independent view)."""
+    inst = latest_instances(instances)
+    return [i for i, r in zip(inst.column(col.INSTANCE_ID).to_pylist(), inst.column(col.ROLE).to_pylist())
+            if r == Role.CLIENT]

@@ -23,14 +23,13 @@ for small in-memory Arrow tables, as pandas.
 
 from __future__ import annotations
 
-import duckdb
 import pandas as pd
 import pyarrow as pa
 
 from analyzers.source import Source
 from tokentrace.schema import col
 
-__all__ = ["token_intervals", "request_facts", "connect", "token_times", "token_steps", "request_table", "run_bounds",
+__all__ = ["token_intervals", "request_facts", "token_times", "token_steps", "request_table", "run_bounds",
            "TOKEN_START", "TOKEN_END", "LATENCY", "LAST_TOKEN", "TTFT_NS", "TPOT_NS", "E2E_NS"]
 
 TOKEN_START = "token_start_ns"
@@ -44,14 +43,6 @@ LAST_TOKEN = "last_token_ns"
 TTFT_NS = "ttft_ns"
 TPOT_NS = "tpot_ns"
 E2E_NS = "e2e_ns"
-
-
-def connect(**tables: pa.Table) -> duckdb.DuckDBPyConnection:
-    """A private DuckDB connection with the given Arrow tables registered as views."""
-    con = duckdb.connect()
-    for name, t in tables.items():
-        con.register(name, t)
-    return con
 
 
 def token_times(src: Source) -> str:

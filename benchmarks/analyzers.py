@@ -43,9 +43,9 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from tokentrace.manifest import write_run_manifest  # noqa: E402
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, UNATTRIBUTED_LABEL, Role, Stage, col  # noqa: E402
-from tokentrace.store_layout import part_name, partition_dir  # noqa: E402
+from tokentrace.store.layout import part_name, partition_dir  # noqa: E402
+from tokentrace.store.manifest import write_run_manifest  # noqa: E402
 
 RUN_ID = "bench-run"
 SHARE_COLUMNS = ["ttft_share", "ttft_tail_share", "itl_share", "itl_tail_share"]
@@ -199,8 +199,9 @@ def _vm_hwm_mb() -> float:
 def child(impl: str, store: Path, repeats: int) -> None:
     """Run one implementation ``repeats`` times; print a JSON line: best wall and CPU seconds, memory, shares."""
     fn = {"duckdb": run_duckdb, "pandas": run_pandas}[impl]
-    import analyzers.facade  # noqa: F401 - imports are not part of the measured time
     import pandas  # noqa: F401
+
+    import analyzers.analysis  # noqa: F401 - imports are not part of the measured time
 
     walls, cpus, traced = [], [], 0
     for _ in range(repeats):

@@ -42,7 +42,7 @@ from dashboard.app import create_app  # noqa: E402
 from dashboard.components.shell import SOURCE_KEY  # noqa: E402
 from dashboard.data import DataSource, warm_calls  # noqa: E402
 from tokentrace.schema import col  # noqa: E402
-from tokentrace.store_reader import open_run  # noqa: E402
+from tokentrace.store.reader import open_run  # noqa: E402
 
 VIEWS = ("/", "/breakdown", "/explorer", "/queues", "/cache", "/pd-ratio", "/batch", "/tenants")
 TARGET_S = 3.0

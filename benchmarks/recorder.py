@@ -39,7 +39,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from tokentrace import api  # noqa: E402
-from tokentrace.recorder import Recorder  # noqa: E402
+from tokentrace.recorder import BufferedRecorder, Recorder  # noqa: E402
 from tokentrace.schema import SPANS, Stage, Table  # noqa: E402
 
 STAGE = int(Stage.DECODE_COMPUTE)
@@ -163,7 +163,7 @@ def flush_concurrent(seconds: float) -> tuple[float, float, int, int]:
     """
     with tempfile.TemporaryDirectory() as d:
         sink = ParquetSink(d)
-        rec = Recorder(sink, instance_id=1, memory_cap_bytes=1 << 30, flush_interval_s=0.25)
+        rec = BufferedRecorder(sink, instance_id=1, memory_cap_bytes=1 << 30, flush_interval_s=0.25)
         stop = threading.Event()
         produced = [0]
 
@@ -196,7 +196,7 @@ def flush_alone(num_rows: int) -> float:
     """Rows per wall second of ``Recorder.flush`` turning buffered spans into zstd Parquet."""
     with tempfile.TemporaryDirectory() as d:
         sink = ParquetSink(d)
-        rec = Recorder(sink, instance_id=1, memory_cap_bytes=1 << 30, flush_interval_s=3600)
+        rec = BufferedRecorder(sink, instance_id=1, memory_cap_bytes=1 << 30, flush_interval_s=3600)
         recorder_loop(rec)(num_rows)
         t0 = time.perf_counter()
         rec.flush()
@@ -214,9 +214,9 @@ def main() -> None:
     args = p.parse_args()
     n, k = args.events, args.repeats
 
-    rec = Recorder(NullSink(), instance_id=1, memory_cap_bytes=1 << 30, flush_interval_s=0.25)
+    rec = BufferedRecorder(NullSink(), instance_id=1, memory_cap_bytes=1 << 30, flush_interval_s=0.25)
     otel, otel_shutdown = otel_loop()
-    bound = Recorder(NullSink(), instance_id=2, memory_cap_bytes=1 << 30, flush_interval_s=0.25)
+    bound = BufferedRecorder(NullSink(), instance_id=2, memory_cap_bytes=1 << 30, flush_interval_s=0.25)
 
     def bound_api_loop(m: int) -> None:
         api.bind(bound)

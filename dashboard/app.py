@@ -52,8 +52,10 @@ def create_app(store_path: str | os.PathLike[str], *, live: bool = False, refres
     app.layout = html.Div([dash.page_container], className="tt-app")
     register_callbacks(app)
     # Take this app's share of the callbacks the page modules registered with dash.callback now,
-    # rather than at the first request, so that a second app built in the same process gets its own.
-    app._setup_server()  # noqa: SLF001 - Dash has no public hook for this
+    # rather than at the first browser request, so that a second app built in the same process gets
+    # its own: Dash does this before the first request it serves, so serve it one, in-process.
+    with app.server.test_client() as client:
+        client.get("/_dash-dependencies")
     figures.warm_up()
     if warm:
         try:

@@ -10,7 +10,7 @@ Every number the dashboard shows comes from :mod:`analyzers` through a
   analyzer method, its arguments); the data version is a fingerprint of the
   run's finished files, so in live mode new files invalidate the cache and in
   static mode it is computed once per run;
-* serialises analyzer calls per run (an ``analyzers.facade.RunAnalysis`` holds a
+* serialises analyzer calls per run (an ``analyzers.analysis.RunAnalysis`` holds a
   DuckDB connection, which is not thread-safe).
 
 Thread-safety: every public method may be called from any server thread; they
@@ -32,9 +32,10 @@ import numpy as np
 import pandas as pd
 
 import tokentrace
-from analyzers.align import latest_instances
+from tokentrace.analysis import Run
+from tokentrace.clock import latest_instances
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TABLES, TOKENS, col
-from tokentrace.store import Run, RunInfo, StoreError
+from tokentrace.store import RunInfo, StoreError
 
 __all__ = ["DataSource", "RequestTrace", "downsample", "series_window_s", "warm_calls", "MAX_POINTS",
            "MAX_LISTED_REQUESTS"]
@@ -318,13 +319,6 @@ def _page(rows: pd.DataFrame, page: int, page_size: int) -> tuple[pd.DataFrame, 
     num_pages = max(1, -(-len(rows) // page_size))
     page = min(max(page, 0), num_pages - 1)
     return rows.iloc[page * page_size:(page + 1) * page_size], num_pages
-
-
-def _parse_request_id(value: str | int) -> int:
-    text = str(value).strip()
-    if not text.isdigit() or len(text) > _MAX_REQUEST_ID_CHARS:
-        raise StoreError(f"request id {text[:40]!r} is not a request id (a non-negative integer)")
-    return int(text)
 
 
 def downsample(frame: pd.DataFrame, x: str, *, max_points: int = MAX_POINTS) -> pd.DataFrame:

@@ -40,25 +40,16 @@ import os
 import sys
 import threading
 import weakref
-from pathlib import Path
 from typing import Any, Callable
 
-__all__ = [
-    "ENV_STORE", "ENV_RUN", "ENV_SAMPLE", "SITE_DIR", "child_environment", "install", "install_worker",
-    "propagate_to_children", "process_handle",
-]
+from instrument.child_env import ENV_RUN, ENV_SAMPLE, ENV_STORE
+
+__all__ = ["install", "install_worker", "process_handle"]
 
 log = logging.getLogger("tokentrace")
 
-ENV_STORE = "TOKENTRACE_STORE"
-ENV_RUN = "TOKENTRACE_RUN"
-ENV_SAMPLE = "TOKENTRACE_SAMPLE"
 PLUGINS_ENV = "REFERENCE_SERVER_WORKER_PLUGINS"  # the reference worker's documented plugin hook
 WORKER_PLUGIN = "instrument.autoinstrument:install_worker"
-SITE_DIR = Path(__file__).resolve().parent / "sitecustomize"
-"""The folder ``tokentrace run`` prepends to ``PYTHONPATH``."""
-CODE_ROOT = SITE_DIR.parents[1]
-"""The folder holding the ``instrument`` and ``tokentrace`` packages."""
 
 FLUSH_INTERVAL_S = 5.0
 """How often each traced process writes its buffers (as OpenTelemetry's batch span processor's
@@ -67,31 +58,6 @@ fragment), which at 1 s took ~4% of a 2-core server's throughput (benchmarks/ove
 
 _GATEWAY_MODULE = "reference_server.serving.gateway"
 _ENGINE_MODULE = "reference_server.engine.engine"
-
-
-def child_environment(store: str | os.PathLike[str], run: str, sample: float | None = None,
-                      base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a traced command runs with: ``base`` (default ``os.environ``) plus ours."""
-    env = dict(os.environ if base is None else base)
-    env[ENV_STORE] = str(Path(store).resolve())
-    env[ENV_RUN] = run
-    if sample is not None:
-        env[ENV_SAMPLE] = repr(float(sample))
-    parts = [str(SITE_DIR), str(CODE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    seen: list[str] = []
-    for p in parts:
-        if p not in seen:
-            seen.append(p)
-    env["PYTHONPATH"] = os.pathsep.join(seen)
-    return env
-
-
-def propagate_to_children(sink: Any) -> None:
-    """Let processes this one spawns trace into the same run (``instrument(app)`` with a store)."""
-    store, run = getattr(sink, "store_path", None), getattr(sink, "run_id", None)
-    if store is None or run is None or any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
-        return  # not a store, or this process is itself under `tokentrace run` (already set)
-    os.environ.update(child_environment(store, run, base={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}))
 
 
 # ---------------------------------------------------------------- the process's recorder

@@ -7,11 +7,16 @@ environment (:data:`CLOCK_ADDR_ENV`). Each worker runs NTP-style pings against
 it with :func:`tokentrace.clock.ping_exchange` (the sample with the smallest
 round trip wins) and writes ``clock_offset_ns`` / ``clock_rtt_ns`` into its own
 ``instances`` row, so ``t_ref = t_worker + clock_offset_ns`` holds within
-``clock_rtt_ns / 2``.
+``clock_rtt_ns / 2``. It then reports that same offset back to the clock
+server, whose :class:`~tokentrace.clock.OffsetBook` the gateway's tracer reads
+to put worker-clock times (a token's hand-out, a KV chunk's arrival) on its own
+clock: one estimate per instance, live and in the store.
 
 Why a side channel and not the cluster's heartbeat: the heartbeat's four
 timestamps are complete only in the gateway's process (``ClockSample``), but the
-offset belongs in the worker's own row, which only the worker writes.
+offset belongs in the worker's own row, which only the worker writes; a second
+estimate from the heartbeat would disagree with the stored one by tens of
+microseconds.
 
 Tests only: ``TOKENTRACE_TEST_CLOCK_SKEW_NS="decode-0=5000000000,..."`` makes the
 tracer of the named instance add that many ns to every time it records and to
@@ -30,8 +35,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from tokentrace.clock import Anchor, ClockEstimate, PingSample, estimate_offset, ping_exchange, take_anchor
-from tokentrace.recorder import Recorder
+from tokentrace.clock import Anchor, ClockEstimate, OffsetBook, ping_exchange, take_anchor
+from tokentrace.recorder import Recorder, Sink
 
 __all__ = [
     "CLOCK_ADDR_ENV", "SKEW_ENV", "ClockServer", "skew_for", "SkewedRecorder", "ClockSync",
@@ -46,20 +51,29 @@ SKEW_ENV = "TOKENTRACE_TEST_CLOCK_SKEW_NS"
 
 _PING = struct.Struct("!q")  # t0, requester's clock (echoed back)
 _PONG = struct.Struct("!qqq")  # t0 echoed, t1 receive, t2 send (server clock, ns)
+_REPORT = struct.Struct("!4sqqq")  # magic, offset_ns, rtt_ns, num_samples; then the instance name (UTF-8)
+_REPORT_MAGIC = b"TTOF"
+_MAX_DATAGRAM = 512
 _RESYNC_S = 10.0  # re-estimate period: monotonic clocks of two hosts drift apart slowly
 
 
 class ClockServer:
-    """Answers clock pings on a loopback UDP socket from a daemon thread.
+    """Answers clock pings on a loopback UDP socket from a daemon thread, and keeps the
+    offsets the workers report in :attr:`book`.
 
     ``clock``: the process's recording clock (``time.monotonic_ns`` plus any
-    test skew). :meth:`close` stops it. Never blocks the caller.
+    test skew). After each exchange a worker sends back the offset it wrote
+    into its ``instances`` row (for its monotonic clock), so the live tracers
+    of this process (the gateway's hand-over timing) use the same estimate
+    the analyzers will. :meth:`close` stops it. Never blocks the caller.
     """
 
     def __init__(self, *, host: str = "127.0.0.1", clock: Callable[[], int] = time.monotonic_ns) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((host, 0))
         self._clock = clock
+        self.book = OffsetBook()
+        """instance name -> its offset to this (reference) clock, as written in its ``instances`` row."""
         self.address = "%s:%d" % self._sock.getsockname()[:2]
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="tokentrace-clock", daemon=True)
@@ -69,13 +83,22 @@ class ClockServer:
         sock, clock = self._sock, self._clock
         while not self._closed:
             try:
-                data, peer = sock.recvfrom(64)
+                data, peer = sock.recvfrom(_MAX_DATAGRAM)
                 t1 = clock()
+                if data[:len(_REPORT_MAGIC)] == _REPORT_MAGIC:
+                    self._take_report(data)
+                    continue
                 (t0,) = _PING.unpack(data[:_PING.size])
                 sock.sendto(_PONG.pack(t0, t1, clock()), peer)
-            except (OSError, struct.error):
+            except (OSError, struct.error, UnicodeDecodeError):
                 if self._closed:
                     return
+
+    def _take_report(self, data: bytes) -> None:
+        _, offset_ns, rtt_ns, num_samples = _REPORT.unpack(data[:_REPORT.size])
+        name = data[_REPORT.size:].decode()
+        if name:
+            self.book.update(name, ClockEstimate(offset_ns, rtt_ns, num_samples))
 
     def close(self) -> None:
         self._closed = True
@@ -107,11 +130,36 @@ class SkewedRecorder:
         self._r = recorder
         self.skew_ns = skew_ns
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._r, name)
-
     def clock(self) -> int:
-        return time.monotonic_ns() + self.skew_ns
+        return self._r.clock() + self.skew_ns
+
+    @property
+    def instance_id(self) -> int:
+        return self._r.instance_id
+
+    @property
+    def sink(self) -> Sink:
+        return self._r.sink
+
+    @property
+    def closed(self) -> bool:
+        return self._r.closed
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self._r.counters
+
+    def flush(self) -> None:
+        self._r.flush()
+
+    def close(self) -> None:
+        self._r.close()
+
+    def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
+        self._r.stage_begin(request_id, stage, t_ns + self.skew_ns, token_index)
+
+    def stage_end(self, request_id: int, stage: int, t_ns: int, *rest: Any) -> None:
+        self._r.stage_end(request_id, stage, t_ns + self.skew_ns, *rest)
 
     def span(self, request_id: int, stage: int, start_ns: int, end_ns: int, *rest: Any) -> None:
         k = self.skew_ns
@@ -152,14 +200,15 @@ class ClockSync:
     recording clock. Failures are logged once and retried at the next period.
     """
 
-    def __init__(self, recorder: Any, address: str, *, role: int, name: str,
+    def __init__(self, recorder: Recorder, address: str, *, role: int, name: str,
                  clock: Callable[[], int] = time.monotonic_ns, num_pings: int = 16,
-                 resync_s: float = _RESYNC_S, timeout_s: float = 0.5) -> None:
+                 resync_s: float = _RESYNC_S, timeout_s: float = 0.5, clock_skew_ns: int = 0) -> None:
         host, _, port = address.rpartition(":")
         self._target = (host, int(port))
         self._rec, self._role, self._name = recorder, role, name
         self._clock, self._num_pings, self._timeout_s = clock, num_pings, timeout_s
         self._resync_s = resync_s
+        self._skew_ns = clock_skew_ns  # tests only: clock() minus this process's monotonic clock
         self._stop = threading.Event()
         self._warned = False
         self.estimate: ClockEstimate | None = None
@@ -184,15 +233,23 @@ class ClockSync:
                     if echoed == t0:  # ignore a late answer to an earlier ping
                         return t1, t2
 
-            est = _exchange(send_recv, self._num_pings, self._clock)
+            est = ping_exchange(send_recv, self._num_pings, clock=self._clock)
+            # est maps the reference clock onto ours; our row needs ours -> reference.
+            mine = est.reversed()
+            self._rec.instance(role=self._role, name=self._name, clock_offset_ns=mine.offset_ns,
+                               clock_rtt_ns=mine.rtt_ns)
+            self._report(sock, mine)
         finally:
             sock.close()
-        # est maps the reference clock onto ours; our row needs ours -> reference.
-        self._rec.instance(role=self._role, name=self._name, clock_offset_ns=-est.offset_ns,
-                           clock_rtt_ns=est.rtt_ns)
         self.estimate = est
         self.synced.set()
         return est
+
+    def _report(self, sock: socket.socket, mine: ClockEstimate) -> None:
+        """Tell the reference process the offset just recorded, for this process's monotonic clock
+        (the clock the server's own events are on: the recording clock minus any test skew)."""
+        payload = _REPORT.pack(_REPORT_MAGIC, mine.offset_ns + self._skew_ns, mine.rtt_ns, mine.num_samples)
+        sock.sendto(payload + self._name.encode()[:_MAX_DATAGRAM - _REPORT.size], self._target)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -204,15 +261,3 @@ class ClockSync:
                     log.warning("tokentrace: clock sync with %s:%d failed (%s); retrying every %.0f s",
                                 *self._target, e, self._resync_s)
             self._stop.wait(self._resync_s)
-
-
-def _exchange(send_recv: Callable[[int], tuple[int, int]], n: int, clock: Callable[[], int]) -> ClockEstimate:
-    """:func:`ping_exchange` read on ``clock`` (this process's recording clock, skewed in tests)."""
-    if clock is time.monotonic_ns:
-        return ping_exchange(send_recv, n)
-    samples = []
-    for _ in range(n):
-        t0 = clock()
-        t1, t2 = send_recv(t0)
-        samples.append(PingSample(t0, t1, t2, clock()))
-    return estimate_offset(samples)

@@ -58,7 +58,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from instrument import semconv as sc
-from tokentrace.clock import take_anchor
+from tokentrace.clock import RunClocks
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, RequestStatus, Stage, Tier, col
 
 __all__ = ["ExportSummary", "RequestTree", "export_run_to_otel", "build_request_spans", "otlp_exporter"]
@@ -102,22 +102,6 @@ class RequestTree:
 
 def _rows(t: pa.Table) -> list[dict[str, Any]]:
     return t.to_pylist()
-
-
-def _offsets_and_anchor(instances: pa.Table) -> tuple[dict[int, int], int]:
-    """Per-instance clock offsets, and ``wall - mono`` of the reference clock (ns)."""
-    offsets: dict[int, int] = {}
-    anchors: dict[int, int] = {}
-    for row in _rows(instances):  # later rows refine earlier ones
-        iid = row[col.INSTANCE_ID]
-        offsets[iid] = row[col.CLOCK_OFFSET_NS] or 0
-        anchors[iid] = row[col.WALL_ANCHOR_NS] - row[col.MONO_ANCHOR_NS]
-    ref = next((i for i, off in offsets.items() if off == 0), next(iter(offsets), None))
-    if ref is None:
-        a = take_anchor()
-        return offsets, a.wall_ns - a.mono_ns
-    # wall = t_local + offset + (wall_anchor - mono_anchor) of the reference instance
-    return offsets, anchors[ref] - offsets[ref]
 
 
 def _merge(tree: RequestTree, row: dict[str, Any], shift: int) -> None:
@@ -242,12 +226,12 @@ def build_request_spans(tree: RequestTree, stage_rows: Sequence[dict[str, Any]],
     return [request, *children]
 
 
-def _token_times(tokens: pa.Table, offsets: dict[int, int]) -> dict[int, dict[int, int]]:
+def _token_times(tokens: pa.Table, clocks: RunClocks) -> dict[int, dict[int, int]]:
     """request id -> token index -> delivery time (earliest sent, else earliest emit; reference clock)."""
     sent: dict[int, dict[int, int]] = defaultdict(dict)
     emit: dict[int, dict[int, int]] = defaultdict(dict)
     for row in _rows(tokens):
-        shift = offsets.get(row[col.INSTANCE_ID], 0)
+        shift = clocks.offset(row[col.INSTANCE_ID])
         for times, column in ((sent, col.SENT_NS), (emit, col.EMIT_NS)):
             t = row[column]
             if t is not None:
@@ -280,21 +264,22 @@ def export_run_to_otel(run: Any, exporter: SpanExporter, *, token_events: bool =
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    offsets, to_wall = _offsets_and_anchor(run.table(INSTANCES.name))
+    clocks = RunClocks.from_instances(run.table(INSTANCES.name))
+    to_wall = clocks.to_wall_ns(0)  # reference clock -> Unix ns is a constant shift
     trees: dict[int, RequestTree] = {}
     for row in _rows(run.table(REQUESTS.name)):
         rid = row[col.REQUEST_ID]
-        _merge(trees.setdefault(rid, RequestTree(rid)), row, offsets.get(row[col.INSTANCE_ID], 0))
+        _merge(trees.setdefault(rid, RequestTree(rid)), row, clocks.offset(row[col.INSTANCE_ID]))
     stage_rows: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for row in _rows(run.table(SPANS.name)):
         if not include_token_stages and row[col.TOKEN_INDEX] >= 0:
             continue
-        shift = offsets.get(row[col.INSTANCE_ID], 0)
+        shift = clocks.offset(row[col.INSTANCE_ID])
         row[col.START_NS] += shift
         row[col.END_NS] += shift
         stage_rows[row[col.REQUEST_ID]].append(row)
         trees.setdefault(row[col.REQUEST_ID], RequestTree(row[col.REQUEST_ID]))
-    tokens = _token_times(run.table(TOKENS.name), offsets)
+    tokens = _token_times(run.table(TOKENS.name), clocks)
     resource = Resource.create({sc.SERVICE_NAME: service_name, sc.TT_RUN_ID: run.run_id})
     num_spans = num_requests = failed = 0
 

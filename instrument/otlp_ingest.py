@@ -1,13 +1,12 @@
 """OTLP trace receiver: vLLM (or any OTLP source) spans -> a tokentrace store.
 
-``tokentrace ingest-otlp --listen 127.0.0.1:4318 --store DIR`` runs
-:func:`serve_otlp`: a Starlette app on uvicorn answering ``POST /v1/traces``
-with protobuf or JSON ``ExportTraceServiceRequest`` bodies
-(``instrument.otlp_decode``), and with ``--grpc-listen 127.0.0.1:4317`` also
-OTLP/gRPC's ``TraceService/Export`` (``instrument.otlp_grpc``), both into one
-run. A malformed body gets HTTP 400 with a ``google.rpc.Status`` message (gRPC:
-``INVALID_ARGUMENT``) and the receiver keeps serving; SIGINT/SIGTERM stop it
-gracefully and flush the store.
+:class:`OtlpIngestor` takes ``ExportTraceServiceRequest`` bodies (protobuf or
+JSON, ``instrument.otlp_decode``) and records what they say; :func:`create_app`
+is its Starlette app answering ``POST /v1/traces``. ``tokentrace ingest-otlp``
+serves it (:func:`instrument.otlp_server.serve_otlp`), with OTLP/gRPC's
+``TraceService/Export`` beside it (``instrument.otlp_grpc``), both into one run.
+A malformed body gets HTTP 400 with a ``google.rpc.Status`` message (gRPC:
+``INVALID_ARGUMENT``) and the receiver keeps serving.
 
 Mapping of vLLM's ``llm_request`` span (:class:`LlmRequestMapper`)
 ------------------------------------------------------------------
@@ -35,8 +34,8 @@ arrival ``A`` (the span's start):
   status is ERROR.
 
 Clocks: spans carry Unix (wall-clock) nanoseconds; each is mapped onto this
-process's monotonic clock with the anchor of its ``instances`` row:
-``mono = unix - wall_anchor + mono_anchor``. This assumes the sender's wall
+process's monotonic clock with the anchor of its ``instances`` row
+(``tokentrace.clock.Anchor.to_mono_ns``: ``mono = unix - wall_anchor + mono_anchor``). This assumes the sender's wall
 clock agrees with the receiver's (same host, or NTP-synchronized hosts: the
 error is their wall-clock difference). Durations inside one span are exact.
 
@@ -49,23 +48,28 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from instrument import semconv as sc
-from instrument.otlp_decode import JSON, PROTOBUF, OtlpSpan, PayloadError, decode_request, decompress
-from instrument.otlp_decode import error_body, response_body
-from tokentrace.clock import Anchor, take_anchor
-from tokentrace.recorder import Recorder
-from tokentrace.schema import RequestStatus, Role, Stage, request_id_of
+from instrument.otlp_decode import (
+    JSON,
+    PROTOBUF,
+    OtlpSpan,
+    PayloadError,
+    decode_request,
+    decompress,
+    error_body,
+    response_body,
+)
+from tokentrace.clock import Anchor
+from tokentrace.recorder import CounterSink, Recorder
+from tokentrace.schema import RequestStatus, Stage, request_id_of
 
 _log = logging.getLogger("tokentrace")
 
-__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "serve_otlp", "listen_error", "IngestSummary",
+__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "listen_error",
            "SPANS_MAPPED", "SPANS_IGNORED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES"]
 
 SPANS_MAPPED = "otlp_spans_mapped"
@@ -102,18 +106,18 @@ class LlmRequestMapper:
 
     def __init__(self, recorder: Recorder, anchor: Anchor) -> None:
         self._rec = recorder
-        self._shift = anchor.mono_ns - anchor.wall_ns  # add to Unix ns -> local monotonic ns
+        self._anchor = anchor
 
     def map(self, span: OtlpSpan) -> bool:
         """Record ``span`` if it is an ``llm_request``; True if it was mapped."""
         if span.name != sc.LLM_REQUEST_SPAN:
             return False
         a = span.attributes
-        arrival = span.start_unix_ns + self._shift
+        arrival = self._anchor.to_mono_ns(span.start_unix_ns)
         ttft, e2e = _ns(a, sc.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN), _ns(a, sc.GEN_AI_LATENCY_E2E)
         queue, prefill = _ns(a, sc.GEN_AI_LATENCY_TIME_IN_QUEUE), _ns(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL)
         decode = _ns(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE)
-        finish = arrival + e2e if e2e is not None else max(arrival, span.end_unix_ns + self._shift)
+        finish = arrival + e2e if e2e is not None else max(arrival, self._anchor.to_mono_ns(span.end_unix_ns))
         key = a.get(sc.GEN_AI_REQUEST_ID)
         key = str(key) if isinstance(key, (str, int)) and str(key) else span.span_id
         rid = request_id_of(key)
@@ -192,10 +196,10 @@ class OtlpIngestor:
                 return
             self._pushed_at = now
             counts = dict(self.counts)
-        update = getattr(self.recorder.sink, "update_counters", None)
-        if callable(update):
+        sink = self.recorder.sink
+        if isinstance(sink, CounterSink):
             try:
-                update(counts)
+                sink.update_counters(counts)
             except Exception as err:  # retried at the next push; said once
                 if not self._push_warned:
                     self._push_warned = True
@@ -246,110 +250,7 @@ def _error(media: str, message: str, status: int) -> Any:
     return Response(body, status_code=status, media_type=content_type)
 
 
-@dataclass(frozen=True, slots=True)
-class IngestSummary:
-    """What one :func:`serve_otlp` session received."""
-
-    run_id: str | None
-    url: str
-    counts: Mapping[str, int]
-    grpc_url: str | None = None
-    """The OTLP/gRPC endpoint, when one was served."""
-
-
 def listen_error(err: OSError, protocol: str, address: str) -> OSError:
     """``err`` from binding ``address`` as one sentence naming the protocol and address."""
     reason = os.strerror(err.errno) if err.errno else str(err)
     return OSError(err.errno, f"cannot listen for {protocol} on {address}: {reason}")
-
-
-def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role: str = "colocated",
-               grpc_listen: tuple[str, int] | None = None,
-               on_ready: Callable[[list[str], str | None], None] | None = None) -> IngestSummary:
-    """Receive OTLP/HTTP (and, with ``grpc_listen``, OTLP/gRPC) traces into run ``run``
-    of ``store`` until SIGINT/SIGTERM.
-
-    Blocks. Port 0 picks a free port; ``on_ready(urls, run_id)`` is called once
-    listening, with the HTTP endpoint first and then the gRPC one. Raises
-    ``OSError`` if an address cannot be bound or the store cannot be created,
-    ``ValueError`` for a bad role or run id, ``ImportError`` for ``grpc_listen``
-    without grpcio. Nothing is created on disk before every address is bound. The
-    store is flushed and closed however the server stops.
-    """
-    import uvicorn
-
-    from tokentrace.store import StoreWriter, validate_run_id
-
-    the_role = Role.from_label(role)
-    if run is not None:
-        validate_run_id(run)  # before binding: a bad id must not leave a listening socket behind
-    try:
-        sock = socket.create_server((host, port))
-    except OSError as e:
-        raise listen_error(e, "OTLP/HTTP", f"{host}:{port}") from None
-    receiver = None
-    try:
-        if grpc_listen is not None:
-            from instrument.otlp_grpc import GrpcReceiver
-
-            receiver = GrpcReceiver(*grpc_listen, max_message_bytes=MAX_BODY_BYTES)
-        config = {"source": "otlp-ingest", "listen": f"{host}:{port}"}
-        if receiver is not None:
-            config["grpc_listen"] = f"{receiver.host}:{receiver.port}"
-        writer = StoreWriter(store, run_id=run, config=config)
-    except BaseException:
-        if receiver is not None:
-            receiver.stop()
-        sock.close()
-        raise
-    recorder = Recorder(writer, instance_id=writer.instance_id)
-    anchor = take_anchor()
-    recorder.instance(role=the_role, name="otlp-ingest", anchor=anchor)
-    ingestor = OtlpIngestor(recorder, anchor=anchor)
-    bound_port = sock.getsockname()[1]
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{bound_port}/v1/traces"
-    urls = [url] + ([receiver.url] if receiver is not None else [])
-    server = uvicorn.Server(uvicorn.Config(create_app(ingestor), log_level="warning", lifespan="off"))
-    previous = _stop_on_signals(server)
-    try:
-        if receiver is not None:
-            receiver.start(ingestor)
-        if on_ready is not None:
-            threading.Thread(target=_announce, args=(server, on_ready, urls, writer.run_id), daemon=True).start()
-        server.run(sockets=[sock])
-    finally:
-        _restore_signals(previous)
-        sock.close()
-        if receiver is not None:
-            receiver.stop()  # calls in flight finish before the store is closed
-        ingestor.close()
-    return IngestSummary(writer.run_id, url, dict(ingestor.counts), receiver.url if receiver is not None else None)
-
-
-def _announce(server: Any, on_ready: Callable[[list[str], str | None], None], urls: list[str], run_id: str) -> None:
-    deadline = time.monotonic() + 30.0
-    while not server.started and not server.should_exit and time.monotonic() < deadline:
-        time.sleep(0.01)  # polls uvicorn's start-up flag; no compute is being simulated
-    if server.started:
-        on_ready(urls, run_id)
-
-
-def _stop_on_signals(server: Any) -> dict[int, Any]:
-    """Handlers asking ``server`` to exit on SIGINT/SIGTERM (main thread only).
-
-    uvicorn installs its own while serving and re-raises the signal after
-    shutdown; that re-raise lands here (a no-op by then) instead of killing
-    the process before the store is flushed.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum: int, frame: Any) -> None:
-        server.should_exit = True
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_signals(previous: dict[int, Any]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)

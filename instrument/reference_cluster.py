@@ -41,10 +41,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from instrument.reference_engine import EngineTracer, _Req
 from reference_server.engine import hooks
 from reference_server.engine.handoff import HANDOFF_FINISH_REASON
-
-from instrument.reference_engine import EngineTracer, _Req
 from tokentrace.recorder import Recorder
 from tokentrace.schema import CacheEventKind, RequestStatus, Stage, Tier, request_id_of
 

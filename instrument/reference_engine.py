@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reference_server.engine import hooks
-
 from tokentrace.recorder import Recorder
 from tokentrace.schema import CacheEventKind, RequestStatus, Stage, Tier
 

@@ -20,7 +20,8 @@ Each streamed token i, after the engine emitted it:
   the engine to the gateway and the wait on the gateway's loop. The hand-out is
   the in-process engine's emit time (:class:`TokenRelay`), or the worker's
   ``ChunkWritten.emitted_ns`` mapped onto this clock with the worker's offset
-  from the backend's heartbeat ``ClockSample`` events (:class:`WorkerClocks`);
+  (the estimate it wrote into its ``instances`` row and reported to this
+  process's clock server: ``clocks``, a :class:`~tokentrace.clock.OffsetBook`);
   failing both, the gateway's receipt;
 * ``detokenize`` ``[detok start, detok end)``: token -> SSE chunk;
 * ``stream.send`` ``[write start, write end)``: the write to the client;
@@ -50,17 +51,16 @@ and never raises into the gateway (the gateway also counts observer errors).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from reference_server.serving import gateway_hooks as gh
-
 from instrument.reference_cluster import TokenRelay
+from reference_server.serving import gateway_hooks as gh
+from tokentrace.clock import OffsetBook
 from tokentrace.recorder import Recorder
 from tokentrace.schema import RequestStatus, Stage, Tier, request_id_of
 
-__all__ = ["GatewayTracer", "WorkerClocks", "trace_id_of"]
+__all__ = ["GatewayTracer", "trace_id_of"]
 
 _OUTCOME_STATUS = {
     "stop": RequestStatus.OK,
@@ -80,33 +80,6 @@ def trace_id_of(traceparent: str | None) -> str:
     if len(parts) < 4 or len(parts[1]) != 32 or not set(parts[1]) <= _HEX or parts[1] == "0" * 32:
         return ""
     return parts[1]
-
-
-class WorkerClocks:
-    """Live offsets of worker clocks to this (gateway) process's clock.
-
-    Fed with the backend's ``ClockSample`` events (its heartbeat pings, every
-    0.2 s by default); per worker the sample with the smallest round trip among
-    the last ``window`` wins (a worker's busy event loop delays some answers, which
-    widens their round trip; a long window finds a quick one, a bounded one follows
-    the slow drift between hosts' clocks). Event-loop thread.
-    """
-
-    def __init__(self, window: int = 128) -> None:
-        self._samples: dict[str, deque[Any]] = {}
-        self._best: dict[str, int] = {}  # instance -> worker minus gateway, ns
-        self._window = window
-
-    def add(self, sample: Any) -> None:
-        window = self._samples.setdefault(sample.instance, deque(maxlen=self._window))
-        window.append(sample)
-        best = min(window, key=lambda s: s.round_trip_ns)
-        self._best[sample.instance] = int(best.offset_ns)
-
-    def to_gateway(self, instance: str, worker_ns: int) -> int:
-        """``worker_ns`` (clock of ``instance``) on the gateway clock; -1 if no sample yet."""
-        offset = self._best.get(instance)
-        return -1 if offset is None or worker_ns < 0 else worker_ns - offset
 
 
 @dataclass(slots=True)
@@ -141,25 +114,24 @@ class GatewayTracer(gh.GatewayObserver):
 
     Attach with ``app.state.gateway.add_observer(GatewayTracer(recorder))``; usually
     done by ``tokentrace.instrument(app, ...)``. ``relay``: the in-process engine's
-    emit times (``LocalBackend``), else None.
+    emit times (``LocalBackend``), else None. ``clocks``: the workers' offsets to
+    this clock (the clock server's book); without one, worker-clock times are
+    unknown and the gateway's receipt stands in for them.
     """
 
-    def __init__(self, recorder: Recorder, *, relay: TokenRelay | None = None) -> None:
+    def __init__(self, recorder: Recorder, *, relay: TokenRelay | None = None,
+                 clocks: OffsetBook | None = None) -> None:
         self._rec = recorder
         self._relay = relay
         self._reqs: dict[str, _GReq] = {}
-        self.clocks = WorkerClocks()
-
-    def on_clock_sample(self, event: Any) -> None:
-        """Backend observer event (a heartbeat ping of a worker): refresh its clock offset."""
-        self.clocks.add(event)
+        self.clocks = clocks if clocks is not None else OffsetBook()
 
     def on_kv_transfer_start(self, event: Any) -> None:
         """Relayed worker event: the decode worker got the first KV chunk (on its clock)."""
         g = self._reqs.get(event.request_id)
         if g is None or event.direction != "recv":
             return
-        end_ns = self.clocks.to_gateway(event.instance, event.t_ns)
+        end_ns = self.clocks.to_reference(event.instance, event.t_ns)
         if end_ns >= 0:
             g.handoff = _Handoff(event.instance, end_ns, event.num_bytes)
             self._record_handoff(g)
@@ -179,7 +151,7 @@ class GatewayTracer(gh.GatewayObserver):
         """A worker-clock time carried by a serving event, on this clock; -1 if unknown."""
         if worker_ns < 0 or self._relay is not None:
             return -1
-        return self.clocks.to_gateway(instance, worker_ns)
+        return self.clocks.to_reference(instance, worker_ns)
 
     @property
     def num_in_flight(self) -> int:

@@ -183,29 +183,29 @@ def _attach_gateway(gateway: Any, recorder: Any, out: ServingTracers) -> None:
         _attach_engine(gateway.backend.engine, recorder, out, relay=relay)
     else:
         _serve_clock(recorder, out)
-    out.gateway = GatewayTracer(recorder, relay=relay)
+    clocks = None if out.clock_server is None else out.clock_server.book
+    out.gateway = GatewayTracer(recorder, relay=relay, clocks=clocks)
     gateway.add_observer(out.gateway)
     out.detachers.append(lambda: gateway.remove_observer(out.gateway))
-    if relay is None:  # worker clock samples (heartbeats) for times carried by token events
+    if relay is None:  # events the backend relays from its workers (KV transfer starts)
         gateway.backend.add_observer(out.gateway)
         out.detachers.append(lambda: gateway.backend.remove_observer(out.gateway))
 
 
 def _serve_clock(recorder: Any, out: ServingTracers) -> None:
     """Serve this (reference) process's clock to the workers it will spawn."""
-    from instrument import autoinstrument as auto
+    from instrument.child_env import ENV_RUN, ENV_STORE, propagate_to_children
     from instrument.clock_sync import CLOCK_ADDR_ENV, ClockServer
 
-    clock = getattr(recorder, "clock", None)
-    out.clock_server = ClockServer(clock=clock) if clock is not None else ClockServer()
-    keys = (CLOCK_ADDR_ENV, auto.ENV_STORE, auto.ENV_RUN, "PYTHONPATH")
+    out.clock_server = ClockServer(clock=recorder.clock)
+    keys = (CLOCK_ADDR_ENV, ENV_STORE, ENV_RUN, "PYTHONPATH")
     out.saved_env = {k: os.environ.get(k) for k in keys}
     os.environ[CLOCK_ADDR_ENV] = out.clock_server.address
-    auto.propagate_to_children(getattr(recorder, "sink", None))
+    propagate_to_children(recorder.sink)
 
 
 def _attach_worker(worker: Any, recorder: Any, out: ServingTracers, role: Role) -> None:
-    from instrument.clock_sync import CLOCK_ADDR_ENV, ClockSync
+    from instrument.clock_sync import CLOCK_ADDR_ENV, ClockSync, SkewedRecorder
     from instrument.reference_cluster import WorkerTracer
 
     out.worker = WorkerTracer(recorder, worker)
@@ -214,7 +214,7 @@ def _attach_worker(worker: Any, recorder: Any, out: ServingTracers, role: Role) 
     out.detachers.append(out.worker.detach)
     address = os.environ.get(CLOCK_ADDR_ENV)
     if address:
-        clock = getattr(recorder, "clock", None)
-        kw = {"clock": clock} if clock is not None else {}
-        out.clock_sync = ClockSync(recorder, address, role=role, name=worker.name, **kw)
+        skew_ns = recorder.skew_ns if isinstance(recorder, SkewedRecorder) else 0
+        out.clock_sync = ClockSync(recorder, address, role=role, name=worker.name, clock=recorder.clock,
+                                   clock_skew_ns=skew_ns)
         out.clock_sync.start()

@@ -28,7 +28,7 @@ Decisions
 
 Counters (``counters`` and, through ``sink.update_counters``, the run manifest)
 ------------------------------------------------------------------------------
-``sampled_out`` (``tokentrace.manifest.SAMPLED_OUT``): events not recorded
+``sampled_out`` (``tokentrace.store.manifest.SAMPLED_OUT``): events not recorded
 because of sampling (spans, tokens, cache events and request rows);
 ``sampled_out_requests``; ``sampled_tail_kept`` (requests kept only because
 slow or failed); ``sampled_promoted`` (requests forwarded early by the memory
@@ -61,10 +61,10 @@ import struct
 import threading
 from typing import Any
 
-from tokentrace.manifest import SAMPLED_OUT
-from tokentrace.recorder import Recorder
 from instrument.sampling_policy import SamplingPolicy
+from tokentrace.recorder import CounterSink, Recorder, Sink
 from tokentrace.schema import RequestStatus, request_id_of
+from tokentrace.store.manifest import SAMPLED_OUT
 
 _log = logging.getLogger("tokentrace")
 
@@ -356,11 +356,11 @@ class SamplingRecorder:
         left to the next push).
         """
         counters = self.sampling_counters
-        update = getattr(self._rec.sink, "update_counters", None)
-        if counters == self._pushed or not callable(update):
+        sink = self._rec.sink
+        if counters == self._pushed or not isinstance(sink, CounterSink):
             return
         try:
-            update(counters)
+            sink.update_counters(counters)
             self._pushed = counters
         except Exception as err:  # retried at the next push; said once
             if not self._push_warned:
@@ -374,6 +374,9 @@ class SamplingRecorder:
     def instance(self, **kwargs: Any) -> None:
         self._rec.instance(**kwargs)
 
+    def clock(self) -> int:
+        return self._rec.clock()
+
     @property
     def recorder(self) -> Recorder:
         return self._rec
@@ -383,7 +386,7 @@ class SamplingRecorder:
         return self._rec.instance_id
 
     @property
-    def sink(self) -> Any:
+    def sink(self) -> Sink:
         return self._rec.sink
 
     @property

@@ -44,9 +44,6 @@ class SamplingPolicy:
         """Whether requests that are not head-kept must be buffered until their end."""
         return self.keep_failed or self.slow_ttft_ns is not None or self.slow_e2e_ns is not None
 
-    def is_head_kept(self, request_id: int) -> bool:
-        return request_id < self.threshold
-
     def keeps_end(self, arrival_ns: int, first_token_ns: int, finish_ns: int, status: int) -> bool:
         """Tail decision for a finished request (times on one clock; -1 = unknown)."""
         if self.keep_failed and status != RequestStatus.OK:

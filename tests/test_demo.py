@@ -31,7 +31,7 @@ import tokentrace
 from analyzers.agreement import CLIENT_NS, DIFF_NS, itl_agreement, ttft_agreement
 from tokentrace.cli import app, register_commands
 from tokentrace.demo import DemoOptions, run_demo
-from tokentrace.demo_server import ServerSpec, ServerStartError, TracedServer, server_command
+from tokentrace.demo.server import ServerSpec, ServerStartError, TracedServer, server_command
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, Role, col
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,7 +79,7 @@ def test_every_role_of_the_deployment_is_traced_into_one_run(demo):
 
 
 def test_the_tenants_analysis_uses_the_servers_scheduling_weights(demo):
-    from tokentrace.demo_load import DEMO_TENANTS
+    from tokentrace.demo.load import DEMO_TENANTS
 
     result, _, store = demo
     run, _, _ = _tables(store, result.run_id)

@@ -76,7 +76,7 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
                                    "--prefill 1 --decode 2"): Covered(
         "tests/instrument/test_reference_serving.py::test_disaggregated_cluster_with_a_skewed_worker_clock",
         "a long-running server; the second line traces the user's own my_server.py "
-        "(tests/tokentrace/commands/test_run.py covers --run and --sample)"),
+        "(tests/tokentrace/cli/commands/test_run.py covers --run and --sample)"),
     ("docs/report.md", "tokentrace report stores/ci --baseline stores/main --budget tokentrace.toml \\"):
         Run(codes=(0, 1)),  # exit 1 = a budget failed, which is what the CI step reports
     ("docs/instrumenting.md", "tokentrace run --store traces --run disagg -- python -m reference_server --mode "
@@ -113,7 +113,7 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
     ("docs/scaling.md", "python - <<'EOF'"): RUN,
     ("docs/scaling.md", "tokentrace run --store traces --sample 0.1 -- python -m reference_server --mode disagg "
                         "--prefill 1 --decode 1 --port 8000"): Covered(
-        "tests/tokentrace/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",
+        "tests/tokentrace/cli/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",
         "a long-running server; that test checks --sample reaches every traced process, tests/test_demo.py "
         "runs tokentrace run around the disaggregated server"),
 }

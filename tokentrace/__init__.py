@@ -14,7 +14,10 @@ Read::
     run = tokentrace.open("traces/")        # newest run
     tokentrace.runs("traces/")              # every run
 
-The store and reader are imported lazily, inside :func:`open` and :func:`runs`.
+The facade sits in the application layer (``docs/architecture.md``): its
+eager imports are core modules only, so ``import tokentrace`` stays light for a
+server; the store reader and the analyzers are imported inside :func:`open`
+and :func:`runs`.
 """
 
 from __future__ import annotations
@@ -36,12 +39,10 @@ from tokentrace.api import (
     unbind,
 )
 from tokentrace.clock import now_ns
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder, InMemorySink, Recorder, Sink
 from tokentrace.schema import CacheEventKind, RequestStatus, Role, Stage, Tier
 from tokentrace.session import Handle, instrument
-from tokentrace.sink import InMemorySink, Sink
-
-__version__ = "0.1.0"
+from tokentrace.version import __version__
 
 __all__ = [
     "__version__",
@@ -51,6 +52,7 @@ __all__ = [
     "CacheEventKind",
     "RequestStatus",
     "Recorder",
+    "BufferedRecorder",
     "Sink",
     "InMemorySink",
     "Handle",
@@ -73,8 +75,11 @@ __all__ = [
 
 
 def open(path: str | os.PathLike[str], run: str | None = None) -> Any:  # noqa: A001 - public name
-    """Open run ``run`` (default: the newest) of the store at ``path``; see ``tokentrace.store.open_run``."""
-    from tokentrace.store import open_run
+    """Open run ``run`` (default: the newest) of the store at ``path``, with ``.analyze()``.
+
+    See ``tokentrace.store.open_run`` for how the run is chosen and the errors.
+    """
+    from tokentrace.analysis import open_run
 
     return open_run(path, run)
 

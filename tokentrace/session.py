@@ -1,17 +1,11 @@
 """``tokentrace.instrument``: set up a recorder, write its instance row, bind it.
 
-This is the implementation of the facade's ``instrument`` (re-exported by
-``tokentrace/__init__.py``), so like the facade it may reach outward, lazily,
-inside functions: to the store writer (``tokentrace.store``) and to the
-adapters of the ``instrument`` package. Importing this module imports
-neither, so ``import tokentrace`` stays light for servers that record into a
-custom sink.
-
-Supported targets today: ``None`` (the manual API only), the reference
-engine (``reference_server.engine.engine.Engine``, or an ``AsyncEngine``
-wrapping one), traced by ``instrument.reference_engine.EngineTracer``, and
-the reference serving stack's objects (gateway app, ``LocalBackend``, worker),
-traced by the adapters ``instrument.reference_serving`` picks.
+Part of the core. What a ``target`` attaches to is decided by the adapter
+registry (:mod:`tokentrace.adapters`): adapters live above the core (the
+bundled ones in ``instrument/``, registered as entry points) and are found
+without this module importing them. The store writer is imported only when
+``store=`` is given, so ``import tokentrace`` stays light for servers that
+record into a custom sink.
 """
 
 from __future__ import annotations
@@ -21,9 +15,10 @@ import secrets
 from typing import Any, Callable, Mapping
 
 from tokentrace import api
-from tokentrace.recorder import Recorder
+from tokentrace.adapters import adapter_for
+from tokentrace.recorder import BufferedRecorder, Recorder
+from tokentrace.recorder.sink import Sink
 from tokentrace.schema import Role
-from tokentrace.sink import Sink
 
 __all__ = ["Handle", "instrument", "RECORDER_OPTIONS"]
 
@@ -97,69 +92,6 @@ def _role(role: Role | str | int) -> Role:
         raise ValueError(f"unknown role {role!r}; valid roles: {valid}") from None
 
 
-SUPPORTED_TARGETS = (
-    "None (manual API: tokentrace.span(), tokentrace.stage(), ...)",
-    "reference_server.engine.engine.Engine",
-    "reference_server.engine.async_engine.AsyncEngine",
-    "reference_server.serving.gateway.create_app(...) app, or its Gateway",
-    "reference_server.serving.backend.LocalBackend",
-    "reference_server.serving.worker.Worker",
-)
-
-
-def _reference_engine(target: Any) -> Any:
-    """The reference ``Engine`` behind ``target``, or None if it is not one."""
-    if not type(target).__module__.startswith("reference_server."):
-        return None  # never import the reference server for someone else's object
-    from reference_server.engine.async_engine import AsyncEngine
-    from reference_server.engine.engine import Engine
-
-    if isinstance(target, AsyncEngine):
-        target = target.engine
-    return target if isinstance(target, Engine) else None
-
-
-def _serving_kind(target: Any) -> str | None:
-    """The kind of reference serving object ``target`` is, or None."""
-    module = type(target).__module__
-    if not module.startswith(("reference_server.", "starlette.")) and module != "__main__":
-        return None  # never import the reference server for someone else's object
-    from instrument.reference_serving import serving_kind
-
-    return serving_kind(target)
-
-
-def _unsupported(target: Any) -> None:
-    raise TypeError(
-        f"tokentrace.instrument() has no adapter for {type(target).__name__} objects; "
-        f"supported targets: {'; '.join(SUPPORTED_TARGETS)}"
-    )
-
-
-def _attach(target: Any, recorder: Recorder, role: Role) -> tuple[Any, Callable[[], None]]:
-    """Attach the adapter for ``target``; (adapter, detach). ``TypeError`` if there is none."""
-    engine = _reference_engine(target)
-    if engine is None:
-        if _serving_kind(target) is None:
-            _unsupported(target)
-        from instrument.reference_serving import attach_serving
-
-        tracers = attach_serving(target, recorder, role=role)
-        return tracers, tracers.detach
-    from instrument.reference_engine import EngineTracer
-
-    tracer = EngineTracer(recorder)
-    engine.add_observer(tracer)
-
-    def detach() -> None:
-        try:
-            engine.remove_observer(tracer)
-        except ValueError:  # already removed by the user
-            pass
-
-    return tracer, detach
-
-
 def instrument(
     target: Any = None,
     *,
@@ -176,7 +108,9 @@ def instrument(
 
     Exactly one of ``store`` (a folder: events go to a new or existing run
     ``run`` of that Parquet store) or ``sink`` (any ``Sink``) must be given.
-    ``target``: the server to trace (see ``SUPPORTED_TARGETS``); None records
+    ``target``: the server to trace (any object a registered adapter matches,
+    see :mod:`tokentrace.adapters`; the bundled ones are listed in
+    ``docs/instrumenting.md``); None records
     only what the manual API is given. ``role``: ``gateway``, ``prefill``,
     ``decode``, ``colocated``, ``client`` or ``other`` (default: what a serving
     target does, e.g. a worker's role, else ``colocated``); ``name`` defaults
@@ -190,33 +124,30 @@ def instrument(
     ``ValueError`` for bad arguments; creating the store may raise ``OSError``.
     Nothing stays bound or attached when it raises.
     """
-    if target is not None and _reference_engine(target) is None and _serving_kind(target) is None:
-        _unsupported(target)
+    adapter = None if target is None else adapter_for(target)
     unknown = sorted(set(options) - set(RECORDER_OPTIONS))
     if unknown:
         raise TypeError(f"unknown instrument() options {unknown}; valid: {', '.join(RECORDER_OPTIONS)}")
-    serving = target is not None and _reference_engine(target) is None
-    if role is None and serving:
-        from instrument.reference_serving import default_role
-
-        role = default_role(target)
+    if role is None and adapter is not None:
+        role = adapter.default_role(target)
     the_role = _role("colocated" if role is None else role)
     if name is None:
-        worker_name = getattr(target, "name", None) if serving else None
-        name = worker_name if isinstance(worker_name, str) else f"{the_role.label}-{os.getpid()}"
+        suggested = None if adapter is None else adapter.default_name(target)
+        name = suggested if suggested else f"{the_role.label}-{os.getpid()}"
     sink, instance_id = _open_sink(store, run, sink, instance_id, trace_config,
                                    dict(options, role=the_role.label, name=name))
-    recorder = Recorder(sink, instance_id=instance_id, **options)
+    recorder = BufferedRecorder(sink, instance_id=instance_id, **options)
     recorder.instance(role=the_role, name=name)
-    adapter, detach = None, None
-    if target is not None:
+    tracer, detach = None, None
+    if adapter is not None:
         try:
-            adapter, detach = _attach(target, recorder, the_role)
+            attachment = adapter.attach(target, recorder, the_role)
         except BaseException:
             recorder.close()
             raise
+        tracer, detach = attachment.tracer, attachment.detach
     api.bind(recorder)
-    return Handle(recorder, adapter=adapter, detach=detach)
+    return Handle(recorder, adapter=tracer, detach=detach)
 
 
 def _open_sink(store: str | os.PathLike[str] | None, run: str | None, sink: Sink | None,

@@ -1,7 +1,7 @@
 """The waterfall of one request: every stage on one aligned timeline, one lane per process.
 
 Input is a :class:`dashboard.data.RequestTrace` (rows already on the run's
-reference clock, by :func:`analyzers.align.align`). Drawing only:
+reference clock, by :meth:`tokentrace.clock.RunClocks.align`). Drawing only:
 
 * one lane per traced process that recorded a row of the request, labelled
   ``role · name`` and ordered gateway, prefill, colocated, decode, other, client;

@@ -12,8 +12,8 @@ from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, explained, fmt, graph_or_notice, kpis, lines
 from dashboard.components.shell import GROUP_COLUMN, GROUPINGS, ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource, series_window_s
-from tokentrace.manifest import DROPPED, SAMPLED_OUT
 from tokentrace.schema import col
+from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
 
 PATH = "/"
 dash.register_page(__name__, path=PATH, name="Overview", title="tokentrace · overview")

@@ -16,11 +16,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from analyzers.facade import RunAnalysis
+from analyzers.analysis import RunAnalysis
 from analyzers.source import Source
-from tokentrace.manifest import write_run_manifest
 from tokentrace.schema import TABLES, Role, Stage, col
-from tokentrace.store_layout import part_name, partition_dir
+from tokentrace.store.layout import part_name, partition_dir
+from tokentrace.store.manifest import write_run_manifest
 
 MS = 1_000_000
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_store, bro
 
 from synthetic_store import SyntheticRun, write_run  # noqa: E402
 
-from tokentrace.schema import STEPS, SPANS  # noqa: E402
+from tokentrace.schema import SPANS, STEPS  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -2,7 +2,7 @@
 
 A run has three traced processes (a gateway, one colocated engine, and the load
 generator as role ``client``) and every table of the schema, generated with numpy
-in a few vectorised passes and written through :class:`~tokentrace.store_writer.StoreWriter`
+in a few vectorised passes and written through :class:`~tokentrace.store.writer.StoreWriter`
 (real store layout, real schema). Stage intervals tile each token's interval, as
 the reference engine's do:
 
@@ -23,7 +23,6 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 
-from tokentrace.manifest import DROPPED, SAMPLED_OUT
 from tokentrace.schema import (
     CACHE_EVENTS,
     INSTANCES,
@@ -38,7 +37,8 @@ from tokentrace.schema import (
     Tier,
     col,
 )
-from tokentrace.store_writer import StoreWriter
+from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
+from tokentrace.store.writer import StoreWriter
 
 __all__ = ["SyntheticRun", "write_run", "GATEWAY_ID", "ENGINE_ID", "CLIENT_ID", "TENANTS", "SLO_CLASSES"]
 

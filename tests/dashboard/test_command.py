@@ -7,7 +7,7 @@ import inspect
 from typer.testing import CliRunner
 
 from tokentrace.cli import app, register_commands
-from tokentrace.commands.dashboard import dashboard_command
+from tokentrace.cli.commands.dashboard import dashboard_command
 
 register_commands(app)
 runner = CliRunner()

@@ -1,7 +1,7 @@
 """Generate tests/data/store_v0: a tiny store in the version-0 (pre-release) layout.
 
 Version 0 differs from version 1 in ways the reader must undo
-(``tokentrace.store_files.MIGRATIONS``):
+(``tokentrace.store.files.MIGRATIONS``):
 
 * spans: the bounds were called ``t0_ns`` / ``t1_ns``; ``stage`` was int32;
   ``kv_tier`` and ``batch_num_seqs`` did not exist.

@@ -4,7 +4,7 @@ A served token's spans come from several processes and the engine runs ahead of
 the stream, so a span may start before its token's interval (see
 ``instrument/reference_gateway.py``). The attribution invariant is checked on
 the clipped spans: ``covered = sum(len(span ∩ token interval))`` per stage.
-All times are aligned to the run's reference clock first (``analyzers.align``).
+All times are aligned to the run's reference clock first (``tokentrace.clock.align``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
-from analyzers.align import align
 from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, token_intervals
+from tokentrace.clock import align
 from tokentrace.schema import SPANS, Stage, col
 from tokentrace.store import open_run
 

@@ -19,9 +19,9 @@ from starlette.routing import Route
 
 from instrument.asgi import TokenTraceMiddleware, parse_traceparent
 from instrument.sse import SseScanner, classify_event
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder, Recorder
+from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import REQUESTS, SPANS, TOKENS, RequestStatus, Stage, col, request_id_of
-from tokentrace.sink import InMemorySink
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -100,7 +100,7 @@ def _wait_rows(rec: Recorder, sink: InMemorySink, n: int) -> None:
 @pytest.fixture()
 def traced():
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=7)
+    rec = BufferedRecorder(sink, instance_id=7)
     with _serve(TokenTraceMiddleware(_app(), recorder=rec)) as url:
         yield url, rec, sink
     rec.close()
@@ -203,7 +203,7 @@ def test_sampling_in_front_of_the_middleware_keeps_only_failed_requests():
     from tokentrace.store import SAMPLED_OUT
 
     sink = InMemorySink()
-    sampler = SamplingRecorder(Recorder(sink, instance_id=8), rate=0.0, keep_failed=True)
+    sampler = SamplingRecorder(BufferedRecorder(sink, instance_id=8), rate=0.0, keep_failed=True)
     with _serve(TokenTraceMiddleware(_app(), recorder=sampler)) as url:
         with httpx.Client(timeout=10) as client:
             client.post(f"{url}/v1/completions", headers={"X-Request-Id": "fine"},

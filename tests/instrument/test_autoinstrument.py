@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from instrument.autoinstrument import CODE_ROOT, SITE_DIR, child_environment
+from instrument.child_env import CODE_ROOT, SITE_DIR, child_environment
 
 PROBE = ("import sys, instrument; print('instrument.autoinstrument' in sys.modules, "
          "'reference_server' in sys.modules)")

@@ -7,16 +7,16 @@ import time
 import pytest
 
 from instrument.clock_sync import ClockServer, ClockSync, SkewedRecorder, skew_for
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder
+from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import Role, col
-from tokentrace.sink import InMemorySink
 
 
 def test_worker_recovers_a_planted_skew_within_half_the_round_trip() -> None:
     skew = 3_000_000_000  # this "worker" runs 3 s ahead of the reference clock
     server = ClockServer()
     sink = InMemorySink()
-    rec = SkewedRecorder(Recorder(sink, instance_id=5, flush_interval_s=0.05), skew)
+    rec = SkewedRecorder(BufferedRecorder(sink, instance_id=5, flush_interval_s=0.05), skew)
     sync = ClockSync(rec, server.address, role=Role.DECODE, name="decode-0", clock=rec.clock, num_pings=8)
     try:
         est = sync.sync_once()
@@ -33,7 +33,7 @@ def test_worker_recovers_a_planted_skew_within_half_the_round_trip() -> None:
 
 def test_skewed_recorder_shifts_every_time_and_nothing_else() -> None:
     sink = InMemorySink()
-    rec = SkewedRecorder(Recorder(sink, instance_id=1), 1000)
+    rec = SkewedRecorder(BufferedRecorder(sink, instance_id=1), 1000)
     rid = rec.request_begin("r", arrival_ns=10)
     rec.span(rid, 3, 20, 30, 0)
     rec.token(rid, 0, emit_ns=40)
@@ -58,7 +58,7 @@ def test_unreachable_clock_server_is_logged_once_and_retried(caplog: pytest.LogC
     server = ClockServer()
     address = server.address
     server.close()  # nobody answers any more
-    rec = Recorder(InMemorySink(), instance_id=2)
+    rec = BufferedRecorder(InMemorySink(), instance_id=2)
     sync = ClockSync(rec, address, role=Role.PREFILL, name="p", num_pings=1, resync_s=0.05, timeout_s=0.02)
     with caplog.at_level("WARNING", logger="tokentrace"):
         sync.start()

@@ -26,9 +26,9 @@ from instrument.otel_export import export_run_to_otel
 from instrument.otlp_decode import PayloadError, decode_request
 from instrument.otlp_ingest import PAYLOADS_REJECTED, SPANS_IGNORED, SPANS_MAPPED, LlmRequestMapper
 from tokentrace.clock import Anchor, now_ns
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder
+from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, RequestStatus, Role, Stage, col
-from tokentrace.sink import InMemorySink
 from tokentrace.store import StoreWriter, open_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ MS = 1_000_000
 def _make_run(path: Path):
     """Two requests on one instance: an ok one with 2 tokens, a failed one."""
     writer = StoreWriter(path, run_id="exp")
-    rec = Recorder(writer, instance_id=writer.instance_id)
+    rec = BufferedRecorder(writer, instance_id=writer.instance_id)
     rec.instance(role=Role.COLOCATED, name="engine")
     t = now_ns()
     r1 = rec.request_begin("req-ok", tenant="acme", arrival_ns=t, num_prompt_tokens=7, trace_id=TRACE)
@@ -118,7 +118,7 @@ def _attr(key, value):
 
 def test_mapper_without_ttft_lays_queue_then_prefill_from_arrival():
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=3)
+    rec = BufferedRecorder(sink, instance_id=3)
     anchor = Anchor(mono_ns=5_000_000_000, wall_ns=1_700_000_000_000_000_000)
     start = anchor.wall_ns + 2 * MS
     span = {"name": "llm_request", "traceId": "00" * 16, "spanId": "ab" * 8,

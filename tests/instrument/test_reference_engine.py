@@ -8,16 +8,16 @@ from instrument.reference_engine import EngineTracer
 from reference_server.engine.config import EngineConfig
 from reference_server.engine.engine import Engine
 from reference_server.model import SamplingParams
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder
+from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import CacheEventKind, RequestStatus, Stage, col, request_id_of
-from tokentrace.sink import InMemorySink
 
 torch.set_num_threads(1)
 
 
 def _run(config: EngineConfig, prompts: dict[str, str], *, max_tokens: int = 6, abort_after: dict | None = None):
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=7, flush_interval_s=0.05)
+    rec = BufferedRecorder(sink, instance_id=7, flush_interval_s=0.05)
     engine = Engine(config)
     tracer = EngineTracer(rec)
     engine.add_observer(tracer)
@@ -114,7 +114,7 @@ def test_abort_ends_the_request_row_as_aborted():
 def test_prefix_hit_is_recorded_as_cache_event():
     prefix = "the same long system prompt shared by both requests. "
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=8)
+    rec = BufferedRecorder(sink, instance_id=8)
     engine = Engine(EngineConfig(model="tiny", block_size=4, num_device_blocks=128))
     engine.add_observer(EngineTracer(rec))
     sp = SamplingParams(max_tokens=2, ignore_eos=True)

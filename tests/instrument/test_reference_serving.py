@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import tokentrace
-from analyzers.align import align
 from analyzers.stage_breakdown import unattributed_share as analyzer_unattributed_share
 from instrument.reference_gateway import trace_id_of
 from reference_server.engine import EngineConfig
@@ -28,6 +27,7 @@ from reference_server.serving.backend import LocalBackend
 from reference_server.serving.delays import DelayConfig
 from reference_server.serving.gateway import GatewayConfig, create_app
 from reference_server.serving.gateway_server import serve_in_thread
+from tokentrace.clock import align
 from tokentrace.schema import TOKENS, RequestStatus, Role, Stage, col, request_id_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the serving_tiling helper

@@ -14,9 +14,9 @@ from instrument.sampling import (
     SamplingPolicy,
     SamplingRecorder,
 )
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder
+from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import REQUESTS, SPANS, TOKENS, RequestStatus, Stage, col, request_id_of
-from tokentrace.sink import InMemorySink
 from tokentrace.store import SAMPLED_OUT, StoreWriter, open_run
 
 MS = 1_000_000
@@ -24,7 +24,7 @@ MS = 1_000_000
 
 def _sampler(sink=None, **kw) -> tuple[SamplingRecorder, InMemorySink]:
     sink = sink or InMemorySink()
-    return SamplingRecorder(Recorder(sink, instance_id=1), **kw), sink
+    return SamplingRecorder(BufferedRecorder(sink, instance_id=1), **kw), sink
 
 
 def _request(rec, key: str, t: int, *, ttft_ns: int = MS, e2e_ns: int = 2 * MS, num_tokens: int = 2,
@@ -88,7 +88,7 @@ def test_slow_and_failed_requests_are_always_kept_whole():
 
 def test_sampled_out_counts_reach_the_manifest(tmp_path):
     writer = StoreWriter(tmp_path, run_id="s")
-    rec = SamplingRecorder(Recorder(writer, instance_id=writer.instance_id), rate=0.0, slow_e2e_ns=5 * MS)
+    rec = SamplingRecorder(BufferedRecorder(writer, instance_id=writer.instance_id), rate=0.0, slow_e2e_ns=5 * MS)
     for i in range(10):
         _request(rec, f"r{i}", i * MS, e2e_ns=(10 if i < 3 else 2) * MS)
     rec.close()

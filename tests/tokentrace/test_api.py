@@ -6,7 +6,8 @@ import pytest
 
 import tokentrace
 from tokentrace import api
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder, Recorder
+from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import (
     CACHE_EVENTS,
     INSTANCES,
@@ -22,7 +23,6 @@ from tokentrace.schema import (
     col,
     request_id_of,
 )
-from tokentrace.sink import InMemorySink
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ def unbound():
 @pytest.fixture
 def bound():
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=8, flush_interval_s=60)
+    rec = BufferedRecorder(sink, instance_id=8, flush_interval_s=60)
     api.bind(rec)
     yield rec, sink
     rec.close()
@@ -60,7 +60,7 @@ def test_unbound_api_is_a_silent_no_op():
     with api.stage(1, Stage.DETOKENIZE) as s:
         assert s is not None
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=1)
+    rec = BufferedRecorder(sink, instance_id=1)
     api.bind(rec)  # binding later does not resurrect earlier calls
     rec.close()
     for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS):
@@ -112,7 +112,7 @@ def test_functions_imported_before_bind_record_after_it():
     from tokentrace.api import span as early_span
 
     sink = InMemorySink()
-    rec = Recorder(sink, instance_id=1)
+    rec = BufferedRecorder(sink, instance_id=1)
     api.bind(rec)
     early_span(1, Stage.STREAM_SEND, 1, 2)
     api.unbind()

@@ -18,7 +18,7 @@ Modules, one responsibility each:
 * :mod:`~tokentrace.bench.runner`: the bounded run loop and the store records.
 * :mod:`~tokentrace.bench.progress`: live progress with rich.
 * :mod:`~tokentrace.bench.summary`: the final summary (``vllm bench serve`` names), text or JSON.
-* :mod:`~tokentrace.bench.cli`: ``bench_command``, the typer command the CLI registers as ``tokentrace bench``.
+* :mod:`~tokentrace.cli.commands.bench`: ``bench_command``, the typer command the CLI registers as ``tokentrace bench``.
 
 Nothing is imported here, so ``import tokentrace.bench.arrivals`` does not pull in httpx.
 """

@@ -19,7 +19,7 @@ import numpy as np
 from tokentrace.bench.arrivals import Arrivals
 from tokentrace.bench.requests import PlannedRequest, TextRequest
 from tokentrace.bench.synthetic import SyntheticSpec, random_text, synthetic_requests
-from tokentrace.workloads import Workload, build_prompt, default_traces_dir, load_trace
+from tokentrace.bench.workloads import Workload, build_prompt, default_traces_dir, load_trace
 
 __all__ = ["TRACE_FILES", "Tenant", "Plan", "parse_tenants", "parse_mix", "resolve_workload_path",
            "trace_text_requests", "build_plan"]
@@ -105,7 +105,7 @@ def resolve_workload_path(workload: str, traces_dir: Path | None = None) -> Path
 
 def trace_text_requests(workload: Workload, *, block_tokens: int, seed: int = 0) -> list[TextRequest]:
     """Text for each trace request: Mooncake prompts follow their hash ids block by block
-    (:func:`~tokentrace.workloads.build_prompt`); others are random text of the trace's length."""
+    (:func:`~tokentrace.bench.workloads.build_prompt`); others are random text of the trace's length."""
     rng = np.random.default_rng(seed)
     out = []
     for i, req in enumerate(workload.requests):

@@ -5,7 +5,7 @@ tokens served from its prefix cache, counted in whole KV blocks of ``server_bloc
 tokens, as a vLLM-style cache counts them (only full blocks are cached; at least one
 prompt token is always computed).
 
-Prompts are built by :func:`tokentrace.workloads.build_prompt`: block ``k`` of a prompt
+Prompts are built by :func:`tokentrace.bench.workloads.build_prompt`: block ``k`` of a prompt
 is ``block_tokens`` characters that depend on ``hash_ids[k]`` only (a shorter last block is
 a prefix of the full one), so two prompts agree on exactly the characters covered by
 their common hash-id prefix. A server tokenizer that adds ``bos_tokens`` tokens in front
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tokentrace.workloads import TraceRequest
+from tokentrace.bench.workloads import TraceRequest
 
 __all__ = ["best_prefix_hit_tokens"]
 

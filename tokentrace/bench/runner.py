@@ -33,10 +33,10 @@ from tokentrace.bench.client import ClientShards, FailureKind, Outcome, RequestO
 from tokentrace.bench.plan import Plan
 from tokentrace.bench.progress import NullProgress, ProgressListener
 from tokentrace.bench.requests import PlannedRequest
-from tokentrace.manifest import read_manifest
-from tokentrace.recorder import Recorder
+from tokentrace.recorder import BufferedRecorder, Recorder
 from tokentrace.schema import RequestStatus, Role
-from tokentrace.store_writer import StoreWriter
+from tokentrace.store.manifest import read_manifest
+from tokentrace.store.writer import StoreWriter
 
 __all__ = ["RunLimits", "BenchRun", "run_plan", "record_outcome", "open_recorder", "run_bench", "status_of"]
 
@@ -169,7 +169,7 @@ def _result(req: PlannedRequest, task: asyncio.Task[Outcome], recorder: Recorder
 def open_recorder(store: str | Path, *, run_id: str | None, config: dict[str, Any]) -> Recorder:
     """A recorder writing to ``store`` as instance role ``client``; its config goes into the run manifest."""
     writer = StoreWriter(store, run_id=run_id, config=config)
-    recorder = Recorder(writer, instance_id=writer.instance_id)
+    recorder = BufferedRecorder(writer, instance_id=writer.instance_id)
     recorder.instance(role=Role.CLIENT, name="bench-client")
     return recorder
 

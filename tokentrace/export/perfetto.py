@@ -15,7 +15,7 @@ The "JSON Object Format" of the Trace Event Format: ``{"traceEvents": [...],
   (waiting, running, preempted) and KV blocks used per tier.
 
 Times are on the run's reference clock (every instance aligned with
-:func:`analyzers.align.align`), in microseconds as floats (``ts``, ``dur``),
+:meth:`tokentrace.clock.RunClocks.align`), in microseconds as floats (``ts``, ``dur``),
 relative to the run's earliest recorded time (``otherData.t0_ns``). Intervals
 with a missing bound or an end before their start are left out and counted in
 ``otherData.skipped_spans``. Events are sorted by ``ts``; metadata comes first.
@@ -32,6 +32,7 @@ from typing import Any, Iterable, TextIO
 import numpy as np
 import pyarrow as pa
 
+from tokentrace.clock import RunClocks, latest_instances, time_columns
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, STEPS, TOKENS, Role, Stage, Tier, col
 
 __all__ = ["trace_events", "perfetto_trace", "write_perfetto"]
@@ -49,10 +50,8 @@ Columns = dict[str, list[Any]]
 
 def _aligned(run: Any, name: str, instances: pa.Table, columns: tuple[str, ...]) -> Columns:
     """``columns`` of table ``name`` on the run's reference clock, as lists."""
-    from analyzers.align import align, time_columns
-
     wanted = list(dict.fromkeys((col.INSTANCE_ID, *columns, *time_columns(name))))
-    t = align(run.table(name, columns=wanted), name, instances)
+    t = RunClocks.from_instances(instances).align(run.table(name, columns=wanted), name)
     return {c: t.column(c).to_pylist() for c in columns}
 
 
@@ -183,8 +182,6 @@ def perfetto_trace(run: Any) -> dict[str, Any]:
     Reads the run's tables (corrupt files are skipped by the reader, with a
     warning). Runs on the caller's thread; memory grows with the run's size.
     """
-    from analyzers.align import latest_instances
-
     inst_table = run.table(INSTANCES.name)
     spans = _aligned(run, SPANS.name, inst_table, _SPAN_COLUMNS)
     tokens = _aligned(run, TOKENS.name, inst_table, _TOKEN_COLUMNS)

@@ -14,8 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from tokentrace.manifest import CorruptFileWarning
 from tokentrace.schema import REQUESTS, TABLES, TOKENS
+from tokentrace.store.manifest import CorruptFileWarning
 
 __all__ = ["ReportInputError", "REQUIRED_TABLES", "split_run_ref", "open_checked", "table_rows"]
 

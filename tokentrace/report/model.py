@@ -1,8 +1,8 @@
 """The report's data: everything the renderers show, gathered once from a run's analyzers.
 
 :func:`build_report` opens nothing itself: it takes an opened (and checked) run,
-asks the analyzers (through ``Run.analyze()``, imported lazily so the core
-package does not depend on :mod:`analyzers` at import time), flattens the
+asks the analyzers (``analyzers.analysis.RunAnalysis``, imported when a report
+is built so ``tokentrace --help`` stays fast), flattens the
 numbers budgets can address into :attr:`Report.metrics`, compares with a
 baseline run if one is given, and checks the budgets. Renderers
 (``render_md``, ``render_html``, ``render_json``, ``render_junit``) only format
@@ -25,8 +25,8 @@ import pandas as pd
 
 from tokentrace.report.budget import Budget, BudgetError, BudgetResult, Change, evaluate
 from tokentrace.report.sections import SECTION_BUILDERS, Context, Section, stage_shares
-from tokentrace.manifest import DROPPED, SAMPLED_OUT
 from tokentrace.schema import SPANS, STEPS, col
+from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
 
 __all__ = ["RunHeader", "Charts", "Report", "build_report", "run_metrics", "metric_changes", "ALL_CLASSES"]
 
@@ -97,8 +97,10 @@ def _header(run: Any, rows: dict[str, int]) -> RunHeader:
 
 
 def _analysis(run: Any) -> Any:
-    """The run's analysis facade, ``analyzers.facade.RunAnalysis`` (``Run.analyze`` imports it lazily)."""
-    return run.analyze()
+    """The run's analyses, ``analyzers.analysis.RunAnalysis`` (imported when a report is built)."""
+    from analyzers.analysis import RunAnalysis
+
+    return RunAnalysis(run)
 
 
 def _class_name(value: Any) -> str:

@@ -5,8 +5,8 @@ the section needs is missing or empty, or this build has no analyzer for it,
 the section says so in its sentence and holds no table: a report is always
 complete, never an exception.
 
-Analyzers are reached through the run's analysis facade (``Run.analyze()``,
-:mod:`analyzers.facade`), imported lazily by :mod:`tokentrace.report.model`.
+Analyzers are reached through the run's ``RunAnalysis`` (:mod:`analyzers.analysis`),
+which :mod:`tokentrace.report.model` imports when a report is built.
 Calls happen on the caller's thread and may take seconds on large runs.
 """
 

@@ -11,7 +11,7 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from tokentrace.bench.cli import EXIT_FAILED_REQUESTS, EXIT_USAGE, bench_command
+from tokentrace.cli.commands.bench import EXIT_FAILED_REQUESTS, EXIT_USAGE, bench_command
 from tokentrace.store import open_run
 
 app = typer.Typer()

@@ -9,7 +9,7 @@ import pytest
 from tokentrace.bench.arrivals import Arrivals
 from tokentrace.bench.plan import aligned_block_tokens, build_plan, parse_mix, parse_tenants, resolve_workload_path
 from tokentrace.bench.prefix import best_prefix_hit_tokens
-from tokentrace.workloads import TraceRequest, best_prefix_hit_rate, load_trace
+from tokentrace.bench.workloads import TraceRequest, best_prefix_hit_rate, load_trace
 
 
 def test_parse_tenants_and_mix():

@@ -9,11 +9,11 @@ from typing import Iterator
 import pytest
 import torch
 
+from analyzers.agreement import DIFF_NS, agreement_summary, ttft_agreement
+from instrument.reference_engine import EngineTracer
 from reference_server.engine.config import EngineConfig
 from reference_server.serving.backend import LocalBackend
 from reference_server.serving.gateway import GatewayConfig, create_app
-from analyzers.agreement import DIFF_NS, agreement_summary, ttft_agreement
-from instrument.reference_engine import EngineTracer
 from reference_server.serving.gateway_tenants import TenantAuth
 from tokentrace.bench.arrivals import Arrivals
 from tokentrace.bench.client import RequestOptions
@@ -21,11 +21,11 @@ from tokentrace.bench.plan import build_plan, parse_mix, parse_tenants, resolve_
 from tokentrace.bench.prefix import best_prefix_hit_tokens
 from tokentrace.bench.runner import RunLimits, run_bench
 from tokentrace.bench.synthetic import LengthDist, SyntheticSpec
-from tokentrace.recorder import Recorder
+from tokentrace.bench.workloads import load_trace
+from tokentrace.recorder import BufferedRecorder
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, Role, col
-from tokentrace.store_writer import StoreWriter
 from tokentrace.store import open_run
-from tokentrace.workloads import load_trace
+from tokentrace.store.writer import StoreWriter
 
 torch.set_num_threads(1)
 
@@ -127,7 +127,7 @@ def test_client_and_engine_views_agree_causally(serve_app, tmp_path):
     emits, so every server TTFT is at most the client's."""
     backend = LocalBackend(EngineConfig(model="tiny", num_device_blocks=256))
     writer = StoreWriter(tmp_path, run_id="both")
-    recorder = Recorder(writer, instance_id=writer.instance_id)
+    recorder = BufferedRecorder(writer, instance_id=writer.instance_id)
     recorder.instance(role=Role.COLOCATED, name="engine")
     backend.engine.add_observer(EngineTracer(recorder))
     plan = build_plan(synthetic=SyntheticSpec(LengthDist("fixed", 24), LengthDist("fixed", 6)), max_requests=10,

@@ -12,7 +12,7 @@ from tokentrace.bench.summary import summarize
 from tokentrace.bench.synthetic import LengthDist, SyntheticSpec
 from tokentrace.schema import REQUESTS, TOKENS, RequestStatus, Role, col, request_id_of
 from tokentrace.store import open_run
-from tokentrace.store_writer import StoreWriter
+from tokentrace.store.writer import StoreWriter
 
 SPEC = SyntheticSpec(LengthDist("fixed", 16), LengthDist("fixed", 4))
 

@@ -1,0 +1,59 @@
+"""``tokentrace demo``: the reference server, disaggregated and traced, replaying a real trace.
+
+Exit status: 0 when the demo ran (Ctrl-C while the dashboard is served included),
+2 on bad options or a missing trace, 1 when the server did not start, 130 when
+interrupted before the report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["register", "demo_command"]
+
+EXIT_USAGE = 2
+EXIT_SERVER = 1
+EXIT_INTERRUPTED = 130
+
+
+def demo_command(
+    store: Annotated[Path, typer.Option(help="Store folder the demo writes its run into.")] = Path("demo-store"),
+    requests: Annotated[int, typer.Option(min=1, help="Requests of the trace to replay (its first N).")] = 80,
+    no_dashboard: Annotated[bool, typer.Option("--no-dashboard", help="Print the report and exit.")] = False,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Dashboard port on 127.0.0.1.")] = 8050,
+    model: Annotated[str, typer.Option(help="Reference model preset (tiny, small).")] = "small",
+    time_scale: Annotated[float, typer.Option(help="Multiply the trace's arrival times (<1 = faster).")] = 1.0,
+    length_scale: Annotated[float, typer.Option(help="Multiply prompt and output lengths.")] = 1 / 64,
+    block_size: Annotated[int, typer.Option(min=1, help="Server KV block size in tokens.")] = 8,
+    trace: Annotated[Optional[Path], typer.Option(help="Mooncake JSONL trace (default: the shared one).")] = None,
+    run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: the server's choice).")] = None,
+) -> None:
+    """Replay a real trace through the traced reference server, print where the time went, serve the dashboard.
+
+    The reference server runs disaggregated under `tokentrace run`; a Mooncake slice drives it.
+    Three tenants share it."""
+    from tokentrace.demo import DemoOptions, run_demo
+    from tokentrace.demo.server import ServerStartError
+    from tokentrace.store import StoreError
+
+    opts = DemoOptions(store=store, num_requests=requests, model=model, time_scale=time_scale,
+                       length_scale=length_scale, block_size=block_size, trace=trace, run=run,
+                       dashboard=not no_dashboard, port=port, device=device)
+    try:
+        run_demo(opts)
+    except ServerStartError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(EXIT_SERVER) from None
+    except (ValueError, StoreError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo_command)

@@ -1,0 +1,76 @@
+"""``tokentrace ingest-otlp``: receive OTLP/HTTP and OTLP/gRPC traces (e.g. from vLLM) into a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["register", "parse_listen"]
+
+
+def parse_listen(value: str, *, option: str = "--listen", example: str = "127.0.0.1:4318") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port); ``ValueError`` if malformed."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{option} must be HOST:PORT, e.g. {example}; got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def ingest_otlp_command(
+    store: Annotated[Path, typer.Option(help="Store folder the received spans are written into.")],
+    listen: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free port).")] = "127.0.0.1:4318",
+    run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
+    role: Annotated[str, typer.Option(help="Role recorded for the traced server (colocated, prefill, decode, ...).")] = "colocated",
+    grpc_listen: Annotated[Optional[str], typer.Option(
+        help="Also receive OTLP/gRPC on HOST:PORT (4317 by convention; needs grpcio).")] = None,
+) -> None:
+    """Receive OTLP traces (e.g. vLLM's) into a store until Ctrl-C / SIGTERM: HTTP, and gRPC with --grpc-listen.
+
+    OTLP/HTTP on POST /v1/traces (protobuf or JSON); OTLP/gRPC's TraceService/Export.
+    vLLM's llm_request spans become requests rows and queue, prefill and decode spans.
+    Other spans are counted and ignored.
+
+    vLLM exports over gRPC by default. With --grpc-listen 127.0.0.1:4317, start it as:
+    OTEL_EXPORTER_OTLP_TRACES_INSECURE=true vllm serve MODEL --otlp-traces-endpoint grpc://127.0.0.1:4317
+
+    Over HTTP (no grpcio needed):
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf vllm serve MODEL --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces
+    """
+    from instrument.otlp_server import serve_otlp
+
+    try:
+        host, port = parse_listen(listen)
+        grpc_address = (None if grpc_listen is None
+                        else parse_listen(grpc_listen, option="--grpc-listen", example="127.0.0.1:4317"))
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+    def ready(urls: list[str], run_id: str | None) -> None:
+        typer.echo(f"listening on {' and '.join(urls)} (store {store}, run {run_id})")
+
+    try:
+        summary = serve_otlp(host=host, port=port, store=str(store), run=run, role=role,
+                             grpc_listen=grpc_address, on_ready=ready)
+    except ImportError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    except OSError as err:
+        message = err.strerror or str(err)
+        if not message.startswith("cannot listen"):  # the store could not be created
+            message = f"cannot write the store {store}: {message}"
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(1) from None
+    counts = ", ".join(f"{k}={v}" for k, v in summary.counts.items())
+    typer.echo(f"stopped; run {summary.run_id}: {counts}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ingest-otlp")(ingest_otlp_command)

@@ -1,0 +1,88 @@
+"""``tokentrace run``: trace a whole deployment, every Python process it starts, with no code change.
+
+``tokentrace run --store DIR [--run ID] [--sample RATE] -- <command...>`` runs
+the command with the environment of :func:`instrument.child_env.child_environment`
+(``TOKENTRACE_STORE``, ``TOKENTRACE_RUN``, ``TOKENTRACE_SAMPLE``, and a
+``PYTHONPATH`` starting with tokentrace's ``sitecustomize`` folder), like
+``opentelemetry-instrument``. Every Python process of the command, and every
+process those spawn with the inherited environment (the reference server's
+worker processes), writes into the same run. SIGINT and SIGTERM are forwarded
+to the command; the exit status is the command's (128 + signal number if a
+signal ended it, 127 if it could not be started).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+__all__ = ["register", "run_traced"]
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+def run_traced(command: list[str], *, store: Path, run: str | None = None, sample: float | None = None) -> int:
+    """Run ``command`` traced into ``store``/``run`` (a new run id if None); its exit status.
+
+    Blocks until the command ends; forwards SIGINT/SIGTERM to it meanwhile
+    (main thread only). ``ValueError`` for an empty command, a bad run id or a
+    sample rate outside (0, 1].
+    """
+    from instrument.child_env import child_environment
+    from tokentrace.store import new_run_id, validate_run_id
+
+    if not command:
+        raise ValueError("give the command to run after --, e.g. tokentrace run --store st -- python -m reference_server")
+    if sample is not None and not 0.0 < sample <= 1.0:
+        raise ValueError(f"--sample must be in (0, 1], got {sample}")
+    run_id = new_run_id() if run is None else validate_run_id(run)
+    store.mkdir(parents=True, exist_ok=True)
+    env = child_environment(store, run_id, sample)
+    typer.echo(f"tokentrace: tracing into {store.resolve() / run_id}", err=True)
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as err:
+        typer.echo(f"error: cannot start {command[0]!r}: {err}", err=True)
+        return 127
+    previous: dict[int, Any] = {}
+
+    def forward(signum: int, frame: Any) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in _FORWARDED:
+        previous[sig] = signal.signal(sig, forward)
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:  # a handler replaced ours; keep waiting for the child
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def run_command(
+    command: Annotated[list[str], typer.Argument(help="The command to trace, after --.")],
+    store: Annotated[Path, typer.Option(help="Store folder every traced process writes into.")],
+    run: Annotated[Optional[str], typer.Option(help="Run id (default: a new time-stamped id).")] = None,
+    sample: Annotated[Optional[float], typer.Option(help="Head-sampling rate in (0, 1]; default: every request.")] = None,
+) -> None:
+    """Run a command with every Python process it starts traced (like opentelemetry-instrument)."""
+    try:
+        code = run_traced(list(command), store=store, run=run, sample=sample)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", context_settings={"allow_interspersed_args": False})(run_command)

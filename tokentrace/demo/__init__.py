@@ -1,0 +1,218 @@
+"""``tokentrace demo``: the whole path, end to end, on one machine.
+
+1. checks the Mooncake conversation trace is there and plans a slice of it
+   (scaled to a CPU; the scaling is printed), with three tenants and two SLO classes;
+2. starts the reference server disaggregated (1 prefill and 1 decode worker)
+   under ``tokentrace run`` (:mod:`tokentrace.demo.server`) and waits for READY;
+3. replays the slice through the load generator, in this process, recording the
+   client's own view into the same store run (:mod:`tokentrace.demo.load`);
+4. stops the server with SIGINT so every traced process flushes its store;
+5. prints the report's key sections: latency, where the time went (stage shares,
+   mean and tail), SLOs, tenants, client-vs-server agreement and the
+   unattributed share (:mod:`tokentrace.demo.report`), and where the store is;
+6. serves the dashboard on 127.0.0.1 until Ctrl-C (unless ``dashboard=False``).
+
+Ctrl-C at any step stops every process the demo started and leaves a readable
+store. Like the CLI, this module is part of the facade: the report, the
+dashboard and the bench machinery are imported inside functions.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tokentrace.bench.workloads import default_traces_dir
+from tokentrace.demo.load import DEMO_TENANTS, LoadSpec, build_load_plan, run_load, write_tenants_file
+from tokentrace.demo.report import print_report
+from tokentrace.demo.server import ServerSpec, TracedServer
+
+__all__ = ["DemoOptions", "DemoResult", "run_demo", "serve_dashboard", "TRACE_FILE"]
+
+TRACE_FILE = "mooncake_conversation.jsonl"
+_STEPS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """Every knob of the demo; the defaults fit a 2-core CPU (load phase under ~3 minutes)."""
+
+    store: Path = Path("demo-store")
+    num_requests: int = 80  # the first N requests of the trace: ~27 s of its arrivals (~3 req/s)
+    model: str = "small"  # reference model preset: 8 layers, hidden 512, 4096 positions
+    time_scale: float = 1.0  # x Mooncake arrival times (real time)
+    length_scale: float = 1 / 64  # 512-token trace blocks become 8 tokens: ~110-token prompts, 1-15 output tokens
+    block_size: int = 8  # server KV block size; prompt blocks align to it, so it bounds the shortest block
+    trace: Path | None = None  # default: ../shared/data/traces/mooncake_conversation.jsonl
+    run: str | None = None  # default: a new time-stamped run id
+    dashboard: bool = True
+    port: int = 8050  # dashboard port on 127.0.0.1
+    ready_timeout_s: float = 180.0  # server start-up (worker processes load the model)
+    load_duration_s: float = 150.0  # no request is sent later than this
+    load_drain_s: float = 30.0  # then in-flight requests get this long
+    stop_grace_s: float = 30.0  # SIGINT -> SIGKILL
+    device: str | None = None  # cpu | cuda; None: the server's choice
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DemoResult:
+    """What the demo produced: the run, its report, and what the client saw."""
+
+    run_id: str
+    run_path: Path
+    report: Any  # tokentrace.report.Report
+    num_sent: int
+    num_ok: int
+    server_exit: int | None  # exit status of `tokentrace run` after SIGINT (0: clean)
+
+
+def _step(console: Console, n: int, text: str) -> None:
+    console.print(f"\n[bold cyan][{n}/{_STEPS}][/] {text}")
+
+
+def _trace_path(opts: DemoOptions) -> Path:
+    path = opts.trace or default_traces_dir() / TRACE_FILE
+    if not Path(path).is_file():
+        raise ValueError(f"trace file not found: {path}; put the traces in ../shared/data/traces beside the "
+                         f"clone, point TOKENTRACE_TRACES at their folder, or pass --trace FILE")
+    return Path(path)
+
+
+def _load_spec(opts: DemoOptions, trace: Path) -> LoadSpec:
+    if opts.num_requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {opts.num_requests}")
+    return LoadSpec(trace=trace, num_requests=opts.num_requests, time_scale=opts.time_scale,
+                    length_scale=opts.length_scale, block_size=opts.block_size, seed=opts.seed,
+                    duration_s=opts.load_duration_s, drain_s=opts.load_drain_s)
+
+
+def _run_id(opts: DemoOptions) -> str:
+    from tokentrace.store import new_run_id, validate_run_id
+
+    return new_run_id() if opts.run is None else validate_run_id(opts.run)
+
+
+def _plan(opts: DemoOptions, run_id: str, console: Console) -> tuple[LoadSpec, Any]:
+    trace = _trace_path(opts)
+    spec = _load_spec(opts, trace)
+    _step(console, 1, f"trace: {trace}")
+    plan = build_load_plan(spec, key_prefix=f"demo-{run_id}")
+    for line in plan.description:
+        console.print(f"  {line}")
+    span_s = max((r.offset_s for r in plan.requests), default=0.0)
+    console.print(f"  {len(plan.requests)} requests over {span_s:.0f} s "
+                  f"(--requests {opts.num_requests}, --time-scale {opts.time_scale:g}, "
+                  f"--length-scale {opts.length_scale:g})")
+    console.print("  scheduling weights and default classes: " + ", ".join(
+        f"{t.name} {t.weight:g} ({t.default_slo_class})" for t in DEMO_TENANTS))
+    return spec, plan
+
+
+def _load(server: TracedServer, spec: LoadSpec, plan: Any, opts: DemoOptions, run_id: str,
+          console: Console) -> tuple[int, int]:
+    _step(console, 3, f"replaying {len(plan.requests)} requests (at most {opts.load_duration_s:.0f} s "
+                      f"+ {opts.load_drain_s:.0f} s drain)")
+    assert server.url is not None  # start() returned
+    result = run_load(plan, spec, url=server.url, model=opts.model, store=opts.store, run_id=run_id,
+                      console=console)
+    num_ok = sum(1 for o in result.outcomes if o.ok)
+    failed = len(result.outcomes) - num_ok
+    console.print(f"  {len(result.outcomes)} sent, {num_ok} completed, {failed} failed or cut")
+    return len(result.outcomes), num_ok
+
+
+def _serve_and_load(opts: DemoOptions, spec: LoadSpec, plan: Any, run_id: str, workdir: Path,
+                    console: Console) -> tuple[int, int, int | None]:
+    server_spec = ServerSpec(store=opts.store, run_id=run_id, tenants_file=write_tenants_file(workdir),
+                             model=opts.model, block_size=spec.block_size, device=opts.device)
+    server = TracedServer(server_spec, log_path=workdir / "server.stderr.log")
+    _step(console, 2, f"starting the reference server (disaggregated: 1 prefill + 1 decode worker, model "
+                      f"{opts.model!r}) under `tokentrace run --store {opts.store} --run {run_id}`")
+    try:
+        with console.status("  waiting for the server to print READY ..."):
+            url = server.start(timeout_s=opts.ready_timeout_s)
+        console.print(f"  ready at {url} (process group {server.pid})")
+        sent, ok = _load(server, spec, plan, opts, run_id, console)
+    finally:
+        code = _stop(server, opts, console)
+    return sent, ok, code
+
+
+def _stop(server: TracedServer, opts: DemoOptions, console: Console) -> int | None:
+    """Step 4, also after a failure or a Ctrl-C; a second Ctrl-C kills the server at once."""
+    _step(console, 4, "stopping the server (SIGINT, forwarded to every process) so every process flushes")
+    try:
+        with console.status("  waiting for the gateway and workers to exit (Ctrl-C again to kill) ..."):
+            code = server.stop(grace_s=opts.stop_grace_s)
+    except KeyboardInterrupt:
+        console.print("  [yellow]killing the server[/] (its last unflushed rows are lost)")
+        code = server.kill()
+    console.print(f"  server exited with status {code}")
+    return code
+
+
+def run_demo(opts: DemoOptions, *, console: Console | None = None) -> DemoResult:
+    """Run steps 1-5 (see the module doc) and, if ``opts.dashboard``, step 6 until Ctrl-C.
+
+    Blocks for minutes. ``ValueError`` for bad options or a missing trace;
+    ``tokentrace.demo.server.ServerStartError`` when the server does not start;
+    ``KeyboardInterrupt`` passes through after every started process was stopped.
+    """
+    from tokentrace.report import make_report
+
+    console = console or Console()
+    run_id = _run_id(opts)
+    spec, plan = _plan(opts, run_id, console)
+    with tempfile.TemporaryDirectory(prefix="tokentrace-demo-") as tmp:
+        try:
+            sent, ok, code = _serve_and_load(opts, spec, plan, run_id, Path(tmp), console)
+        except KeyboardInterrupt:
+            console.print(f"\n[yellow]interrupted[/]: every process the demo started is stopped; what was "
+                          f"recorded is in {opts.store.resolve() / run_id} "
+                          f"(tokentrace report {opts.store} --run {run_id})")
+            raise
+    _step(console, 5, "report")
+    report = make_report(opts.store, run_id)
+    print_report(report, console)
+    run_path = opts.store.resolve() / run_id
+    console.print(f"\nstore: [bold]{run_path}[/]\n  full report:  tokentrace report {opts.store} --run {run_id}"
+                  f"\n  inspect:      tokentrace inspect {opts.store} --run {run_id}")
+    result = DemoResult(run_id, run_path, report, sent, ok, code)
+    if opts.dashboard:
+        _step(console, 6, "dashboard")
+        serve_dashboard(opts.store, port=opts.port, console=console, run_id=run_id)
+    else:
+        console.print(f"\nbrowse it: tokentrace dashboard {opts.store} --port {opts.port}")
+    return result
+
+
+def serve_dashboard(store: Path, *, port: int, console: Console, run_id: str | None = None) -> None:
+    """Serve the dashboard of ``store`` on 127.0.0.1:``port`` until Ctrl-C (blocks; returns on Ctrl-C).
+
+    The analyses of ``run_id`` (default: the newest run) are computed ahead in a
+    background thread; on Ctrl-C that thread is joined before returning, since
+    an interpreter that exits while DuckDB still runs a query in a daemon thread
+    aborts.
+    """
+    from dashboard.app import create_app
+    from dashboard.components.shell import SOURCE_KEY
+
+    app = create_app(store)
+    try:
+        warming = app.server.config[SOURCE_KEY].warm(run_id)
+    except ValueError:  # no run in the store: the pages say so
+        warming = None
+    console.print(f"  dashboard: [bold]http://127.0.0.1:{port}/[/] (Ctrl-C to stop)")
+    try:
+        app.run(host="127.0.0.1", port=port, debug=False)
+    except KeyboardInterrupt:
+        pass
+    if warming is not None and warming.is_alive():
+        with console.status("  finishing the background analysis ..."):
+            warming.join()
+    console.print("  dashboard stopped")
