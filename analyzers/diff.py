@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from analyzers.source import Source
-from analyzers.stage_breakdown import STAGE_LABELS
+from analyzers.stage_breakdown import ROW_OF_STAGE, STAGE_LABELS
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, token_times
 from tokentrace.schema import col
 
@@ -71,7 +71,8 @@ def _samples(src: Source) -> _RunSamples:
         s = np.zeros((len(req), len(STAGE_LABELS)))
         n = np.zeros(len(req))
         p = per[(per["first"] == first) & per[c.REQUEST_ID].isin(pos.index)]
-        np.add.at(s, (pos[p[c.REQUEST_ID]].to_numpy(), p["stage"].to_numpy(int)), p["ms"].to_numpy(float))
+        np.add.at(s, (pos[p[c.REQUEST_ID]].to_numpy(), ROW_OF_STAGE[p["stage"].to_numpy(int)]),
+                  p["ms"].to_numpy(float))
         t = tok[(tok["first"] == first) & tok[c.REQUEST_ID].isin(pos.index)]
         idx = pos[t[c.REQUEST_ID]].to_numpy()
         n[idx] = t["n"].to_numpy(float)

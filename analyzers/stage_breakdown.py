@@ -28,11 +28,15 @@ from analyzers.source import Source
 from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, request_table, run_bounds, token_intervals, token_times
 from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
 
-__all__ = ["TAIL_FRACTION", "STAGE_LABELS", "token_spans", "breakdown", "unattributed", "token_stage_times", "stage_breakdown",
+__all__ = ["TAIL_FRACTION", "STAGE_LABELS", "ROW_OF_STAGE", "token_spans", "breakdown", "unattributed", "token_stage_times", "stage_breakdown",
            "unattributed_share"]
 
 TAIL_FRACTION = 0.01
 STAGE_LABELS: list[str] = [s.label for s in Stage] + [UNATTRIBUTED_LABEL]
+ROW_OF_STAGE: np.ndarray = np.zeros(max(int(s) for s in Stage) + 1, dtype=np.int64)
+"""Stage value -> its row in :data:`STAGE_LABELS` (stages are listed in pipeline order, not by value)."""
+for _row, _stage in enumerate(Stage):
+    ROW_OF_STAGE[int(_stage)] = _row
 """Row order of a breakdown: every stage in schema order, then ``unattributed``."""
 _KINDS = ("ttft", "itl")
 
@@ -145,8 +149,8 @@ def _assemble(tot: pd.DataFrame, per: pd.DataFrame) -> pd.DataFrame:
         ns = np.zeros(len(STAGE_LABELS))
         tail = np.zeros(len(STAGE_LABELS))
         for stage, v, tv in zip(p["stage"], p["ns"], p["tail_ns"]):
-            ns[int(stage)] += v
-            tail[int(stage)] += tv
+            ns[ROW_OF_STAGE[int(stage)]] += v
+            tail[ROW_OF_STAGE[int(stage)]] += tv
         ns[-1] = lat - ns[:-1].sum()
         tail[-1] = tail_lat - tail[:-1].sum()
         result[f"{kind}_mean_ms"] = ns / n / 1e6 if n else np.nan

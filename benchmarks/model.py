@@ -38,8 +38,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference_server.model import ModelConfig  # noqa: E402
-from reference_server.model import attention, llama  # noqa: E402
+from reference_server.model import (  # noqa: E402
+    ModelConfig,  # noqa: E402
+    attention,
+    llama,
+)
 from reference_server.model.runner import ModelRunner, SeqChunk  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -54,33 +57,72 @@ def gather(cache: torch.Tensor, block_ids: torch.Tensor, name: str,
     return torch.index_select(cache, 0, block_ids, out=buffers.get(name, shape, cache))
 
 
-def dense_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: attention.AttentionMetadata) -> torch.Tensor:
-    """Baseline: decode rows padded to the longest context, prefill with a full mask (3-D)."""
-    attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
-    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if meta.decode_token_idx.numel():
-        tables = meta.decode_block_tables  # (n_dec, max_blocks)
-        n_dec = tables.shape[0]
-        keys = gather(k_cache, tables.reshape(-1), "k", meta.buffers).view(n_dec, -1, num_kv, head_dim)
-        values = gather(v_cache, tables.reshape(-1), "v", meta.buffers).view(n_dec, -1, num_kv, head_dim)
+def padded_decode_view(chunks: list[SeqChunk], *, block_size: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The original implementation's view of a batch's decode (one-token) chunks, in batch
+    order: their block tables padded with block 0 to the longest context, and the mask of
+    each row's real keys. Returns tables ``(n_dec, max_blocks)`` int64 and mask
+    ``(n_dec, 1, 1, max_blocks * block_size)`` bool, False on padding."""
+    decodes = [c for c in chunks if len(c.token_ids) == 1]
+    if not decodes:
+        empty = torch.zeros((0, 1), dtype=torch.int64, device=device)
+        return empty, torch.ones((0, 1, 1, 1), dtype=torch.bool, device=device)
+    context_lens = [c.start_pos + 1 for c in decodes]
+    max_blocks = -(-max(context_lens) // block_size)
+    padded = [list(c.block_table[:max_blocks]) + [0] * (max_blocks - len(c.block_table[:max_blocks]))
+              for c in decodes]
+    tables = torch.tensor(padded, dtype=torch.int64, device=device)  # (n_dec, max_blocks)
+    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)  # (n_dec,)
+    key_pos = torch.arange(max_blocks * block_size, device=device)  # (max_blocks * block_size,)
+    mask = key_pos[None, :] < lens[:, None]  # (n_dec, max_blocks * block_size)
+    return tables, mask[:, None, None, :]  # mask: (n_dec, 1, 1, max_blocks * block_size)
+
+
+class DensePaddedAttention:
+    """Baseline, a drop-in for ``llama.paged_attention`` over one batch: decode rows padded
+    to the longest context (one masked SDPA call), prefill with a full mask (3-D). Make one
+    per ``execute`` of ``chunks``: like the original, it builds its padded view once per step."""
+
+    def __init__(self, chunks: list[SeqChunk], *, block_size: int, device: torch.device) -> None:
+        self.tables, self.mask = padded_decode_view(chunks, block_size=block_size, device=device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: attention.AttentionMetadata) -> torch.Tensor:
+        attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_token_idx.numel():
+            out.index_copy_(0, meta.decode_token_idx, self._decode(q, k_cache, v_cache, meta))
+        for group in meta.prefills:
+            out[group.token_start:group.token_end] = _dense_prefill(q, k_cache, v_cache, group, meta.buffers)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: attention.AttentionMetadata) -> torch.Tensor:
+        """The decode rows' attention, ``(n_dec, n_heads, hd)``."""
+        num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+        n_dec = self.tables.shape[0]
+        keys = gather(k_cache, self.tables.reshape(-1), "k", meta.buffers).view(n_dec, -1, num_kv, head_dim)
+        values = gather(v_cache, self.tables.reshape(-1), "v", meta.buffers).view(n_dec, -1, num_kv, head_dim)
         rows = q.index_select(0, meta.decode_token_idx)  # (n_dec, n_heads, hd)
         dec = F.scaled_dot_product_attention(
             rows.view(n_dec, num_kv, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.decode_mask)  # (n_dec, n_kv, group, hd)
-        out.index_copy_(0, meta.decode_token_idx, dec.reshape(rows.shape))
-    for group in meta.prefills:
-        ctx = group.context_len
-        keys = gather(k_cache, group.block_ids, "k", meta.buffers).view(-1, num_kv, head_dim)[:ctx]
-        values = gather(v_cache, group.block_ids, "v", meta.buffers).view(-1, num_kv, head_dim)[:ctx]
-        chunk = q[group.token_start:group.token_end]
-        res = F.scaled_dot_product_attention(
-            chunk.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=group.mask, enable_gqa=True)  # (n_heads, chunk_len, hd)
-        out[group.token_start:group.token_end] = res.transpose(0, 1)
-    return out
+            attn_mask=self.mask)  # (n_dec, n_kv, group, hd)
+        return dec.reshape(rows.shape)
+
+
+def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   group: attention.PrefillGroup, buffers: attention.GatherBuffers | None) -> torch.Tensor:
+    """One prefill chunk through SDPA with its full ``(chunk, context)`` mask, 3-D inputs:
+    ``(chunk_len, n_heads, hd)``."""
+    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    ctx = group.context_len
+    keys = gather(k_cache, group.block_ids, "k", buffers).view(-1, num_kv, head_dim)[:ctx]
+    values = gather(v_cache, group.block_ids, "v", buffers).view(-1, num_kv, head_dim)[:ctx]
+    chunk = q[group.token_start:group.token_end]
+    res = F.scaled_dot_product_attention(
+        chunk.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=group.mask, enable_gqa=True)  # (n_heads, chunk_len, hd)
+    return res.transpose(0, 1)
 
 
 def decode_batch(num_rows: int, num_blocks: int, rng: random.Random) -> list[SeqChunk]:
@@ -120,19 +162,29 @@ def compare(runner: ModelRunner, chunks: list[SeqChunk], reps: int) -> dict[str,
 
     ``current``: the runner as configured (decode rows through the compiled kernel where it
     can run); ``gather``: the PyTorch decode path (blocks gathered, SDPA per length bucket);
-    ``baseline``: :func:`dense_padded_attention`.
+    ``baseline``: :class:`DensePaddedAttention` (its padded view built inside the timing).
     """
     current_fn, current_kernel = llama.paged_attention, runner.decode_kernel
-    variants = {"current": (current_fn, current_kernel), "gather": (current_fn, False),
-                "baseline": (dense_padded_attention, False)}
+
+    def baseline() -> DensePaddedAttention:
+        return DensePaddedAttention(chunks, block_size=runner.block_size, device=runner.device)
+
+    # name -> (makes the attention function for one execute, decode kernel on)
+    variants = {"current": (lambda: current_fn, current_kernel), "gather": (lambda: current_fn, False),
+                "baseline": (baseline, False)}
     best = {name: float("inf") for name in variants}
     outputs = {}
+
+    def run(name: str) -> None:
+        make_attention, runner.decode_kernel = variants[name]
+        llama.paged_attention = make_attention()
+        outputs[name] = runner.execute(chunks)
+
     try:
         for rep in range(reps + 1):  # the first round warms up (and compiles) and is not timed
             order = list(variants) if rep % 2 else list(variants)[::-1]
             for name in order:
-                llama.paged_attention, runner.decode_kernel = variants[name]
-                elapsed = cpu_ms(lambda: outputs.__setitem__(name, runner.execute(chunks)))
+                elapsed = cpu_ms(lambda: run(name))
                 if rep:
                     best[name] = min(best[name], elapsed)
     finally:

@@ -181,10 +181,12 @@ class SkewedRecorder:
     def request_begin(self, key: str, *, arrival_ns: int, **kw: Any) -> int:
         return self._r.request_begin(key, arrival_ns=arrival_ns + self.skew_ns, **kw)
 
-    def request_end(self, request_id: int, *, finish_ns: int, first_token_ns: int = -1, **kw: Any) -> None:
+    def request_end(self, request_id: int, *, finish_ns: int, first_token_ns: int = -1,
+                    first_content_ns: int = -1, **kw: Any) -> None:
         k = self.skew_ns
         self._r.request_end(request_id, finish_ns=finish_ns + k,
-                            first_token_ns=first_token_ns + k if first_token_ns >= 0 else -1, **kw)
+                            first_token_ns=first_token_ns + k if first_token_ns >= 0 else -1,
+                            first_content_ns=first_content_ns + k if first_content_ns >= 0 else -1, **kw)
 
     def instance(self, *, anchor: Anchor | None = None, **kw: Any) -> None:
         a = anchor or take_anchor()

@@ -221,10 +221,11 @@ class SamplingRecorder:
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,
                     first_token_ns: int = -1, num_output_tokens: int = -1, num_cached_tokens: int = -1,
-                    error: str = "") -> None:
+                    error: str = "", first_content_ns: int = -1) -> None:
         """As ``Recorder.request_end``; decides a buffered request's fate and forwards or drops it."""
         end = dict(finish_ns=finish_ns, status=status, first_token_ns=first_token_ns,
-                   num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens, error=error)
+                   num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens, error=error,
+                   first_content_ns=first_content_ns)
         if self._passes(request_id):
             self._rec.request_end(request_id, **end)
             return

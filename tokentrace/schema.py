@@ -54,8 +54,11 @@ __all__ = [
     "column_names",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the on-disk layout; written into every Parquet file's metadata."""
+SCHEMA_VERSION = 2
+"""Version of the on-disk layout; written into every Parquet file's metadata.
+
+2: stages ``gateway.accept`` and ``stream.relay``; ``requests.first_content_ns``
+(files of version 1 read it as null)."""
 
 MIN_READABLE_SCHEMA_VERSION = 0
 """Oldest version readers still accept (version 0 is the pre-release layout)."""
@@ -74,14 +77,18 @@ NULL_INT = -1
 
 
 class Stage(enum.IntEnum):
-    """The thirteen stages a request's (and each token's) time is split into.
+    """The fifteen stages a request's (and each token's) time is split into.
 
     Each stage is an interval ``[start_ns, end_ns)``. For one request the stage
     intervals tile its lifetime without overlap; for one output token they tile
     that token's interval (token 0: arrival -> first token sent; token i:
     sent(i-1) -> sent(i)). Time no stage covers is reported as *unattributed*.
+    Iteration order (definition order) is the pipeline's order; the integer
+    values are what files store, so a new stage takes the next free value.
     """
 
+    GATEWAY_ACCEPT = 13
+    """The server read the request's first bytes -> the app received the request (parsing, a busy event loop)."""
     GATEWAY_RECEIVE = 0
     """Request bytes arrive -> request parsed and validated."""
     GATEWAY_TOKENIZE = 1
@@ -106,6 +113,8 @@ class Stage(enum.IntEnum):
     """The request is preempted (swapped out or evicted for recompute) until resumed."""
     DETOKENIZE = 11
     """Token id -> text delta."""
+    STREAM_RELAY = 14
+    """The token travels from the engine to the process that streams it (thread hand-off or socket frame)."""
     STREAM_SEND = 12
     """The delta is written to the client stream."""
 
@@ -125,6 +134,7 @@ class Stage(enum.IntEnum):
 
 
 _STAGE_LABELS: dict[Stage, str] = {
+    Stage.GATEWAY_ACCEPT: "gateway.accept",
     Stage.GATEWAY_RECEIVE: "gateway.receive",
     Stage.GATEWAY_TOKENIZE: "gateway.tokenize",
     Stage.GATEWAY_ROUTE: "gateway.route",
@@ -137,6 +147,7 @@ _STAGE_LABELS: dict[Stage, str] = {
     Stage.DECODE_COMPUTE: "decode.compute",
     Stage.SCHEDULE_PREEMPTED: "schedule.preempted",
     Stage.DETOKENIZE: "detokenize",
+    Stage.STREAM_RELAY: "stream.relay",
     Stage.STREAM_SEND: "stream.send",
 }
 _STAGES_BY_LABEL: dict[str, Stage] = {v: k for k, v in _STAGE_LABELS.items()}
@@ -279,6 +290,7 @@ class col:
     SLO_CLASS = "slo_class_name"
     ARRIVAL_NS = "arrival_ns"
     FIRST_TOKEN_NS = "first_token_ns"
+    FIRST_CONTENT_NS = "first_content_ns"
     FINISH_NS = "finish_ns"
     NUM_PROMPT_TOKENS = "num_prompt_tokens"
     NUM_CACHED_TOKENS = "num_cached_tokens"
@@ -402,6 +414,8 @@ REQUESTS = Table(
         _str(col.SLO_CLASS, "SLO class of the request, e.g. interactive or batch (empty if unknown)."),
         _ns(col.ARRIVAL_NS, "When the request reached this instance (client: when it was sent); null if unknown.", nullable=True),
         _ns(col.FIRST_TOKEN_NS, "When this instance emitted/sent/received the first output token.", nullable=True),
+        _ns(col.FIRST_CONTENT_NS, "When this instance sent/received the first chunk with visible content "
+            "(non-empty text; the TTFT of AIPerf and vllm bench); null if not observed.", nullable=True),
         _ns(col.FINISH_NS, "When the request ended on this instance.", nullable=True),
         _count(col.NUM_PROMPT_TOKENS, "Prompt length in tokens.", nullable=True),
         _count(col.NUM_CACHED_TOKENS, "Prompt tokens served from the prefix cache.", nullable=True),

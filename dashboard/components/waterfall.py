@@ -29,14 +29,19 @@ __all__ = ["waterfall_figure", "TICKS_PREFIX", "lane_label", "stage_color"]
 
 TICKS_PREFIX = "tokens · "
 _ROLE_ORDER = [Role.GATEWAY, Role.PREFILL, Role.COLOCATED, Role.DECODE, Role.OTHER, Role.CLIENT]
-_PALETTE = ["#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#f1ce63",
-            "#499894", "#86bcb6", "#e15759", "#ff9d9a", "#79706e"]  # one per stage, in Stage order
+_PALETTE = {  # one per stage
+    Stage.GATEWAY_ACCEPT: "#9c755f", Stage.GATEWAY_RECEIVE: "#4e79a7", Stage.GATEWAY_TOKENIZE: "#a0cbe8",
+    Stage.GATEWAY_ROUTE: "#f28e2b", Stage.SCHEDULE_QUEUE: "#ffbe7d", Stage.CACHE_LOOKUP: "#59a14f",
+    Stage.CACHE_LOAD: "#8cd17d", Stage.PREFILL_COMPUTE: "#b6992d", Stage.TRANSFER_KV: "#f1ce63",
+    Stage.DECODE_QUEUE: "#499894", Stage.DECODE_COMPUTE: "#86bcb6", Stage.SCHEDULE_PREEMPTED: "#e15759",
+    Stage.DETOKENIZE: "#ff9d9a", Stage.STREAM_RELAY: "#d37295", Stage.STREAM_SEND: "#79706e",
+}
 
 
 def stage_color(label: str) -> str:
     """The colour of a stage (by its dotted label) in every chart; grey for unattributed or unknown labels."""
     try:
-        return _PALETTE[int(Stage.from_label(label))]
+        return _PALETTE[Stage.from_label(label)]
     except ValueError:
         return "#bab0ac"
 
@@ -85,7 +90,7 @@ def waterfall_figure(trace: RequestTrace) -> go.Figure:
         dur_ms = (rows[col.END_NS] - rows[col.START_NS]) / 1e6
         fig.add_trace(go.Bar(
             y=[label[int(i)] for i in rows[col.INSTANCE_ID]], x=dur_ms.tolist(), base=start_ms.tolist(),
-            orientation="h", name=stage.label, marker_color=_PALETTE[int(stage)],
+            orientation="h", name=stage.label, marker_color=_PALETTE[stage],
             customdata=rows[col.TOKEN_INDEX].tolist(),
             hovertemplate=f"{stage.label}<br>token %{{customdata}}<br>%{{base:.3f}} ms + %{{x:.3f}} ms<extra></extra>"))
     _client_bars(fig, trace, label, t0)

@@ -18,17 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reference_server.engine.policies import LRUEviction, OffloadOnEvict, WatermarkAdmission
+from reference_server.engine.cache_policies import LRUEviction, OffloadOnEvict, WatermarkAdmission
+from reference_server.engine.hooks import Evicted
 from reference_server.engine.prefix_cache import PrefixMatch, extend_block_hashes
 from reference_server.engine.tiers import DEVICE, DISK, HOST, BlockPool
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from reference_server.engine.policies import DropOnEvict, EvictionPolicy
+    from reference_server.engine.cache_policies import DropOnEvict, EvictionPolicy
     from reference_server.engine.sequence import Sequence
 
-__all__ = ["BlockManager", "BlockUsage", "CopyOp", "EvictionRecord", "KVBlocks"]
+__all__ = ["BlockManager", "BlockUsage", "CopyOp", "KVBlocks"]
 
 TRANSFER_KINDS = ("load", "swap_out", "swap_in", "offload", "prefetch")
 
@@ -51,16 +52,6 @@ class CopyOp:
     @property
     def num_blocks(self) -> int:
         return len(self.src_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class EvictionRecord:
-    """``num_blocks`` cached free blocks of ``tier`` were reused; their content was
-    copied to ``dst_tier`` first, or dropped when ``dst_tier`` is ``None``."""
-
-    tier: int
-    num_blocks: int
-    dst_tier: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +103,7 @@ class BlockManager:
         self._num_committed: dict[str, int] = {}  # request id -> leading blocks already keyed
         self._swapped: dict[str, tuple[int, list[int]]] = {}  # request id -> (tier, block ids)
         self._ops: list[CopyOp] = []
-        self._evictions: list[EvictionRecord] = []
+        self._evictions: list[tuple[int, int | None]] = []  # (tier, dst_tier) per reused cached block
         # Counters (monotonic, never reset): tokens looked up / found in the prefix cache,
         # hit blocks per tier, blocks moved per transfer kind.
         self.num_prefix_query_tokens = 0
@@ -128,10 +119,6 @@ class BlockManager:
         return self.pools[DEVICE]
 
     @property
-    def num_plain_free_device_blocks(self) -> int:
-        return self.pools[DEVICE].num_plain_free
-
-    @property
     def swap_tier(self) -> int | None:
         """Where swapped-out requests go: host if it has blocks, else disk, else nowhere."""
         if self._sizes[HOST] > 0:
@@ -140,9 +127,6 @@ class BlockManager:
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._tables[request_id])
-
-    def kv_blocks(self, request_id: str) -> KVBlocks:
-        return KVBlocks(tuple(self._tables.get(request_id, ())))
 
     def swapped_blocks(self, request_id: str) -> tuple[int, tuple[int, ...]] | None:
         """(tier, block ids) of a swapped-out request, else ``None``."""
@@ -166,14 +150,18 @@ class BlockManager:
         ops, self._ops = self._ops, []
         return _coalesce(ops)
 
-    def take_evictions(self) -> tuple[EvictionRecord, ...]:
-        recs, self._evictions = self._evictions, []
-        merged: list[EvictionRecord] = []
-        for r in recs:
-            if merged and merged[-1].tier == r.tier and merged[-1].dst_tier == r.dst_tier:
-                merged[-1] = EvictionRecord(r.tier, merged[-1].num_blocks + r.num_blocks, r.dst_tier)
+    def take_evictions(self, *, step: int, ns: int) -> tuple[Evicted, ...]:
+        """The cached blocks reused since the last call, as hook events stamped with
+        ``step`` and ``ns`` (engine monotonic clock); consecutive reuses of one tier
+        with the same destination are merged into one event."""
+        evictions, self._evictions = self._evictions, []
+        merged: list[Evicted] = []
+        for tier, dst_tier in evictions:
+            last = merged[-1] if merged else None
+            if last is not None and (last.tier, last.dst_tier) == (tier, dst_tier):
+                merged[-1] = Evicted(step, tier, last.num_blocks + 1, dst_tier, ns)
             else:
-                merged.append(r)
+                merged.append(Evicted(step, tier, 1, dst_tier, ns))
         return tuple(merged)
 
     # ------------------------------------------------------------------ prefix cache
@@ -366,7 +354,7 @@ class BlockManager:
                 lower.register(dst, evicted)
                 lower.release(dst)
                 offloaded_to = dst_tier
-        self._evictions.append(EvictionRecord(tier, 1, offloaded_to))
+        self._evictions.append((tier, offloaded_to))
         return block_id
 
 

@@ -1,7 +1,7 @@
 """The engine loop: schedule, move KV between tiers, run the model, sample, stream.
 
 ``Engine`` is single-threaded: every method is called on one thread (the "engine
-thread"; :class:`~reference_server.engine.async_engine.AsyncEngine` owns one), except
+thread"; :class:`~reference_server.engine.engine_loop.EngineLoop` owns one), except
 :meth:`Engine.prepare_request`, which reads only immutable configuration and may run
 on any thread. Observers (see :mod:`reference_server.engine.hooks`) are called on the
 engine thread and must not block.
@@ -10,24 +10,47 @@ engine thread and must not block.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from reference_server.engine.block_manager import BlockManager
+from reference_server.engine.cache_policies import (
+    DropOnEvict,
+    NoPrefetch,
+    OffloadOnEvict,
+    PrefetchWaitingPrefixes,
+    WatermarkAdmission,
+)
 from reference_server.engine.config import EngineConfig
 from reference_server.engine.hooks import (
-    BatchEntry, CacheLookup, Evicted, RequestAborted, RequestAdded, RequestFinished, RequestPreempted,
-    RequestQueued, RequestResumed, RequestScheduled, StepEnd, StepStart, TierTransfer, TokenEmitted,
+    BatchEntry,
+    RequestAborted,
+    RequestAdded,
+    RequestFinished,
+    RequestPreempted,
+    RequestQueued,
+    RequestScheduled,
+    StepEnd,
+    StepStart,
+    TierTransfer,
+    TokenEmitted,
 )
 from reference_server.engine.outputs import Completion, EngineStats, RequestOutput
-from reference_server.engine.policies import (
-    DropOnEvict, NoPrefetch, OffloadOnEvict, PrefetchWaitingPrefixes, WatermarkAdmission, make_scheduling_policy,
-)
 from reference_server.engine.scheduler import Scheduler, SchedulerOutput
+from reference_server.engine.scheduling_policies import make_scheduling_policy
 from reference_server.engine.sequence import FinishReason, PreemptionMode, Sequence, StopChecker
 from reference_server.model import (
-    IncrementalDetokenizer, ModelConfig, ModelRunner, Sampler, SamplingParams, SeqChunk, Tokenizer,
-    load_tokenizer, make_generator, seed_for_token,
+    IncrementalDetokenizer,
+    ModelConfig,
+    ModelRunner,
+    Sampler,
+    SamplingParams,
+    SeqChunk,
+    Tokenizer,
+    load_tokenizer,
+    make_generator,
+    seed_for_token,
 )
 
 __all__ = ["Engine"]
@@ -219,7 +242,7 @@ class Engine:
         start_ns = time.monotonic_ns()  # engine monotonic clock, ns
         if observed:
             self._emit("on_step_start", StepStart(step, start_ns))
-        plan = self.scheduler.schedule(start_ns)
+        plan = self.scheduler.schedule(start_ns, step=step)
         self.num_scheduled_tokens_last_step = sum(c.num_tokens for c in plan.chunks)
         if observed:
             self._emit_plan(plan, step)
@@ -239,17 +262,17 @@ class Engine:
         return outputs
 
     def _emit_plan(self, plan: SchedulerOutput, step: int) -> None:
+        """Hand the plan's own events (made by the scheduler) to observers, then one
+        ``RequestScheduled`` per chunk."""
+        for preempted in plan.preempted:
+            self._emit("on_request_preempted", preempted)
+        for resumed in plan.resumed:
+            self._emit("on_request_resumed", resumed)
+        for lookup in plan.cache_lookups:
+            self._emit("on_cache_lookup", lookup)
+        for evicted in plan.evictions:
+            self._emit("on_evicted", evicted)
         now = time.monotonic_ns()
-        for p in plan.preempted:
-            self._emit("on_request_preempted", RequestPreempted(p.request_id, step, p.mode.value, now))
-        for r in plan.resumed:
-            self._emit("on_request_resumed", RequestResumed(r.request_id, step, r.mode.value, now))
-        for lk in plan.cache_lookups:
-            self._emit("on_cache_lookup", CacheLookup(
-                lk.request_id, step, lk.start_ns, lk.end_ns, lk.num_query_tokens, lk.num_hit_tokens,
-                lk.hit_blocks_per_tier))
-        for ev in plan.evictions:
-            self._emit("on_evicted", Evicted(step, ev.tier, ev.num_blocks, ev.dst_tier, now))
         for c in plan.chunks:
             self._emit("on_request_scheduled", RequestScheduled(
                 c.request_id, step, now, c.start_pos, c.num_tokens, c.is_prefill))

@@ -1,7 +1,8 @@
 """Moving a request between engines: prefill/decode handoff and resume after a failure.
 
 Three operations on an :class:`~reference_server.engine.engine.Engine`, all on its
-engine thread (between steps), used by the serving layer's workers:
+engine thread (between steps), made by :class:`~reference_server.engine.engine_loop.EngineLoop`
+for the serving layer's workers:
 
 * :func:`export_prefilled`: a request whose prefill just produced its first token gives
   up its place: the device blocks holding its computed KV are read out as bytes

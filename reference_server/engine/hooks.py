@@ -11,7 +11,10 @@ the events it wants, then ``engine.add_observer(obs)``. Contract:
 * Every ``*_ns`` field is ``time.monotonic_ns()`` of the engine process (the engine
   monotonic clock); never wall-clock time.
 * With no observer attached the engine pays one truthiness check per hook point:
-  events are only built when someone listens.
+  events are only built when someone listens. The exceptions are the events the
+  scheduler makes while planning a step (``CacheLookup``, ``RequestPreempted``,
+  ``RequestResumed``, ``Evicted``): they are the plan's own record of what happened
+  (:class:`~reference_server.engine.scheduler.SchedulerOutput`), built every step.
 
 Tiers are ints: 0 device, 1 host, 2 disk.
 """

@@ -16,6 +16,11 @@ ranks last (``victim_key``: FCFS latest arrival; SLO lowest class priority then 
 deadline; fair the tenant furthest ahead) among those not yet scheduled in this step is
 preempted, by swap (if the lower tier has room) or by recompute; possibly the request
 itself. Engine thread only; nothing here blocks.
+
+The plan carries what happened while it was made (cache lookups, preemptions,
+resumptions, evictions) as the observer events of :mod:`reference_server.engine.hooks`,
+stamped with the step number the engine passes in; the engine hands them to its
+observers as they are.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from reference_server.engine.block_manager import BlockManager, CopyOp, EvictionRecord
+from reference_server.engine.block_manager import BlockManager, CopyOp
+from reference_server.engine.cache_policies import NoPrefetch, PrefetchWaitingPrefixes
 from reference_server.engine.config import TenantConfig
-from reference_server.engine.policies import NoPrefetch, PrefetchWaitingPrefixes, SchedulingPolicy
+from reference_server.engine.hooks import CacheLookup, Evicted, RequestPreempted, RequestResumed
+from reference_server.engine.scheduling_policies import SchedulingPolicy
 from reference_server.engine.sequence import FinishReason, PreemptionMode, Sequence, SequenceStatus
 
-__all__ = ["CacheLookupResult", "PreemptionRecord", "ScheduledChunk", "Scheduler", "SchedulerOutput", "TenantState"]
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput", "TenantState"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,33 +53,16 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheLookupResult:
-    """The prefix lookup made when a request was admitted (engine monotonic clock, ns)."""
-
-    request_id: str
-    start_ns: int
-    end_ns: int
-    num_query_tokens: int
-    num_hit_tokens: int
-    hit_blocks_per_tier: tuple[int, int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class PreemptionRecord:
-    request_id: str
-    mode: PreemptionMode
-
-
-@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """One step's plan. Queue lengths are after scheduling."""
+    """One step's plan and the events of making it, in the order they happened within
+    each kind. Queue lengths are after scheduling."""
 
     chunks: tuple[ScheduledChunk, ...]
     copy_ops: tuple[CopyOp, ...]
-    evictions: tuple[EvictionRecord, ...]
-    cache_lookups: tuple[CacheLookupResult, ...]
-    preempted: tuple[PreemptionRecord, ...]
-    resumed: tuple[PreemptionRecord, ...]
+    evictions: tuple[Evicted, ...]
+    cache_lookups: tuple[CacheLookup, ...]  # one per request admitted through the prefix cache
+    preempted: tuple[RequestPreempted, ...]
+    resumed: tuple[RequestResumed, ...]
     num_waiting: int
     num_running: int
     num_preempted: int
@@ -206,11 +196,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
 
-    def schedule(self, now_ns: int) -> SchedulerOutput:
-        """Plan one step at engine time ``now_ns`` (monotonic, ns)."""
+    def schedule(self, now_ns: int, *, step: int) -> SchedulerOutput:
+        """Plan engine step number ``step`` at engine time ``now_ns`` (monotonic, ns)."""
         for tenant in self.tenants.values():
             tenant.refill(now_ns)
-        plan = _StepPlan(self.max_num_batched_tokens)
+        plan = _StepPlan(self.max_num_batched_tokens, step)
         self._schedule_running(plan)
         order = sorted(self.waiting.values(), key=self.policy.waiting_key)
         if not plan.preempted:
@@ -219,7 +209,8 @@ class Scheduler:
             self.prefetch.run(self.block_manager, (s for s in order if s.request_id in self.waiting))
         bm = self.block_manager
         return SchedulerOutput(
-            chunks=tuple(plan.chunks), copy_ops=bm.take_ops(), evictions=bm.take_evictions(),
+            chunks=tuple(plan.chunks), copy_ops=bm.take_ops(),
+            evictions=bm.take_evictions(step=step, ns=time.monotonic_ns()),
             cache_lookups=tuple(plan.lookups), preempted=tuple(plan.preempted), resumed=tuple(plan.resumed),
             num_waiting=len(self.waiting), num_running=len(self.running), num_preempted=self.num_preempted,
         )
@@ -258,7 +249,8 @@ class Scheduler:
                     key=self.policy.victim_key,
                 )
                 mode = self._preempt(victim, self.preemption_mode)
-                plan.preempted.append(PreemptionRecord(victim.request_id, mode))
+                plan.preempted.append(RequestPreempted(victim.request_id, plan.step, mode.value,
+                                                       time.monotonic_ns()))
                 plan.preempted_ids.add(victim.request_id)
                 if victim is seq:
                     break
@@ -286,8 +278,8 @@ class Scheduler:
             n = self._chunk_size(seq, plan.budget, num_computed=match.num_tokens)
             if n == 0 or bm.allocate_new(seq, match, n) is None:
                 break
-            plan.lookups.append(CacheLookupResult(
-                seq.request_id, start_ns, time.monotonic_ns(), seq.num_tokens, match.num_tokens,
+            plan.lookups.append(CacheLookup(
+                seq.request_id, plan.step, start_ns, time.monotonic_ns(), seq.num_tokens, match.num_tokens,
                 match.num_blocks_per_tier,
             ))
             is_new = seq.status is SequenceStatus.WAITING
@@ -316,7 +308,7 @@ class Scheduler:
     def _to_running(self, seq: Sequence, plan: _StepPlan, resumed: PreemptionMode | None) -> None:
         if resumed is not None:
             self.num_preempted -= 1
-            plan.resumed.append(PreemptionRecord(seq.request_id, resumed))
+            plan.resumed.append(RequestResumed(seq.request_id, plan.step, resumed.value, time.monotonic_ns()))
         self.start_running(seq)
 
     def _preempt(self, seq: Sequence, mode: PreemptionMode) -> PreemptionMode:
@@ -350,16 +342,17 @@ class Scheduler:
 class _StepPlan:
     """Scratch state of one ``schedule`` call."""
 
-    __slots__ = ("budget", "chunks", "scheduled_ids", "preempted", "preempted_ids", "resumed", "lookups")
+    __slots__ = ("budget", "step", "chunks", "scheduled_ids", "preempted", "preempted_ids", "resumed", "lookups")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, step: int) -> None:
         self.budget = budget
+        self.step = step  # the engine's step number, stamped on the plan's events
         self.chunks: list[ScheduledChunk] = []
         self.scheduled_ids: set[str] = set()
-        self.preempted: list[PreemptionRecord] = []
+        self.preempted: list[RequestPreempted] = []
         self.preempted_ids: set[str] = set()
-        self.resumed: list[PreemptionRecord] = []
-        self.lookups: list[CacheLookupResult] = []
+        self.resumed: list[RequestResumed] = []
+        self.lookups: list[CacheLookup] = []
 
     def add_chunk(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens

@@ -92,14 +92,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    @property
     def is_swapped(self) -> bool:
         return self.status is SequenceStatus.PREEMPTED and self.preempt_mode is PreemptionMode.SWAP
 

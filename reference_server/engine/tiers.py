@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from reference_server.engine.policies import EvictionPolicy, LRUEviction
+from reference_server.engine.cache_policies import EvictionPolicy, LRUEviction
 
 __all__ = ["DEVICE", "DISK", "HOST", "TIER_NAMES", "Block", "BlockPool"]
 

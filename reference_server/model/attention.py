@@ -34,7 +34,6 @@ each layer reuses them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -96,7 +95,7 @@ class DecodeBucket:
     mask: torch.Tensor | None
 
 
-@dataclass(frozen=True)  # no slots: the padded decode indices below are cached on first use
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Where a step's tokens go in the paged cache and what each may attend to.
 
@@ -115,26 +114,6 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None = None  # (sum of num_rows * num_blocks,) int64
     # Set instead of the buckets when the decode rows go to the compiled kernel.
     kernel_rows: DecodeRows | None = None
-    # Each decode row's context length and block table, in row order.
-    decode_context_lens: tuple[int, ...] = ()
-    decode_tables: tuple[Sequence[int], ...] = ()
-    block_size: int = 1
-
-    @functools.cached_property
-    def _padded_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _decode_indices(list(self.decode_context_lens), list(self.decode_tables), self.block_size,
-                               self.slot_mapping.device)
-
-    @property
-    def decode_block_tables(self) -> torch.Tensor:
-        """(num_decode, max_blocks) int64, padded with block 0. Built on first use: the engine's
-        attention paths (buckets, kernel) never need it; a dense padded baseline does."""
-        return self._padded_decode[0]
-
-    @property
-    def decode_mask(self) -> torch.Tensor:
-        """(num_decode, 1, 1, max_blocks * block_size) bool, False on padding; built on first use."""
-        return self._padded_decode[1]
 
 
 # Fixed cost of one more decode bucket per layer (an SDPA call, two index ops),
@@ -199,9 +178,6 @@ def build_attention_metadata(
         decode_buckets=buckets,
         decode_block_ids=decode_block_ids,
         kernel_rows=kernel_rows,
-        decode_context_lens=tuple(decode_lens),
-        decode_tables=tuple(decode_tables),
-        block_size=block_size,
     )
 
 
@@ -275,21 +251,6 @@ def _prefill_group(row: int, length: int, start: int, table: Sequence[int],
     k_pos = torch.arange(context_len, device=device)  # (context_len,)
     mask = k_pos[None, :] <= q_pos[:, None]  # (chunk_len, context_len)
     return PrefillGroup(row, row + length, block_ids, context_len, mask)
-
-
-def _decode_indices(context_lens: list[int], tables: list[Sequence[int]], block_size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if not context_lens:
-        empty = torch.zeros((0, 1), dtype=torch.int64, device=device)
-        return empty, torch.ones((0, 1, 1, 1), dtype=torch.bool, device=device)
-    max_ctx = max(context_lens)
-    max_blocks = -(-max_ctx // block_size)
-    padded = [list(t[:max_blocks]) + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
-    table_t = torch.tensor(padded, dtype=torch.int64, device=device)  # (n_dec, max_blocks)
-    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)  # (n_dec,)
-    key_pos = torch.arange(max_blocks * block_size, device=device)  # (max_blocks * block_size,)
-    mask = key_pos[None, :] < lens[:, None]  # (n_dec, max_blocks * block_size)
-    return table_t, mask[:, None, None, :]  # mask: (n_dec, 1, 1, max_blocks * block_size)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-from reference_server.model.attention import GatherBuffers, build_attention_metadata
 from reference_server.model import decode_kernel as _decode_kernel
+from reference_server.model.attention import GatherBuffers, build_attention_metadata
 from reference_server.model.checkpoint import load_checkpoint
 from reference_server.model.config import ModelConfig, select_device
 from reference_server.model.kv_storage import KVStorage, kv_bytes_per_block

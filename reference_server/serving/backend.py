@@ -22,14 +22,14 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from reference_server.engine import Engine, EngineConfig, RequestOutput
-from reference_server.engine.handoff import PrefilledKV
+from reference_server.engine import Engine, EngineConfig, EngineLoop
+from reference_server.engine.async_engine import stream_outputs
 from reference_server.model import SamplingParams, Tokenizer
-from reference_server.serving.delays import DelayConfig
-from reference_server.serving.engine_loop import EngineLoop
+from reference_server.serving.delays import DelayConfig, plant_engine_delays
 from reference_server.serving.worker_hooks import ObserverList, RouteDecision
 
 __all__ = [
@@ -151,31 +151,6 @@ def instance_stats_from_engine(name: str, role: str, alive: bool, s: Any, *, kv_
         num_generated_tokens=get("num_generated_tokens"))
 
 
-class _QueueSink:
-    """Hands engine-thread results to one consumer's asyncio queue."""
-
-    __slots__ = ("loop", "queue")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def _put(self, item: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody listens any more
-            pass
-
-    def on_output(self, output: RequestOutput) -> None:
-        self._put(output)
-
-    def on_handoff(self, state: PrefilledKV) -> None:
-        self._put(RuntimeError("unexpected handoff in a colocated engine"))
-
-    def on_error(self, exc: BaseException) -> None:
-        self._put(exc)
-
-
 class LocalBackend:
     """One colocated engine in this process (tests, ``--mode local``)."""
 
@@ -183,8 +158,9 @@ class LocalBackend:
                  delays: DelayConfig | None = None) -> None:
         self.name = name
         self.engine = Engine(engine_config)
-        delay = delays.delay_sync if delays else None
-        self._loop = EngineLoop(self.engine, delay=delay)
+        if delays is not None:
+            plant_engine_delays(self.engine, delays)
+        self._loop = EngineLoop(self.engine)
         self._observers = ObserverList()
         self._started = False
 
@@ -230,23 +206,10 @@ class LocalBackend:
         start_ns = time.monotonic_ns()
         seq = self.engine.prepare_request(req.request_id, req.prompt_token_ids, req.sampling, tenant=req.tenant,
                                           slo_class=req.slo_class, arrival_ns=req.arrival_ns)
-        sink = _QueueSink(asyncio.get_running_loop())
-        self._loop.submit(seq, sink)
         if self._observers:
             self._observers.emit("on_route", RouteDecision(
                 req.request_id, "local", self.name, None, start_ns, time.monotonic_ns(), (), 0))
-        finished = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield TokenEvent(item.token_index, item.token_id, item.text_delta, item.finish_reason,
-                                 item.num_prompt_tokens, item.num_cached_tokens, self.name)
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._loop.abort(req.request_id)
+        async with aclosing(stream_outputs(self._loop, seq)) as outputs:  # closing it early aborts
+            async for out in outputs:
+                yield TokenEvent(out.token_index, out.token_id, out.text_delta, out.finish_reason,
+                                 out.num_prompt_tokens, out.num_cached_tokens, self.name)

@@ -31,14 +31,25 @@ from typing import Any
 from reference_server.engine import EngineConfig
 from reference_server.model import ModelConfig, Tokenizer, load_tokenizer
 from reference_server.serving.backend import (
-    BackendStats, BackendUnavailable, GenerateRequest, InstanceStats, TokenEvent, instance_stats_from_engine,
+    BackendStats,
+    BackendUnavailable,
+    GenerateRequest,
+    InstanceStats,
+    TokenEvent,
+    instance_stats_from_engine,
 )
 from reference_server.serving.cluster_worker import WorkerHandle
 from reference_server.serving.config_codec import engine_config_to_json, sampling_to_dict
 from reference_server.serving.delays import DelayConfig
 from reference_server.serving.router import Candidate, Router
 from reference_server.serving.worker_hooks import (
-    KVTransferEnd, KVTransferStart, ObserverList, Redispatch, RouteDecision, WorkerRequestReceived, WorkerStarted,
+    KVTransferEnd,
+    KVTransferStart,
+    ObserverList,
+    Redispatch,
+    RouteDecision,
+    WorkerRequestReceived,
+    WorkerStarted,
     WorkerStopped,
 )
 

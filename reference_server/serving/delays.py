@@ -25,7 +25,8 @@ stream_send   gateway     per chunk, just before it is written to the client str
 
 Workers (``reference_server.serving`` cluster code) receive the same spec string and parse
 it with :meth:`DelayConfig.parse`; ``str(config)`` gives back a spec that parses to the
-same delays, for passing on a command line.
+same delays, for passing on a command line. The two engine stages are planted inside the
+engine's step by :func:`plant_engine_delays`.
 
 Every delay is a real sleep of at least the drawn length (``asyncio.sleep`` in
 :meth:`DelayConfig.delay`, ``time.sleep`` in :meth:`DelayConfig.delay_sync`), measured on
@@ -41,8 +42,12 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DELAY_STAGES", "DelayConfig", "StageDelay", "parse_duration_ns"]
+if TYPE_CHECKING:
+    from reference_server.engine import Engine
+
+__all__ = ["DELAY_STAGES", "DelayConfig", "StageDelay", "parse_duration_ns", "plant_engine_delays"]
 
 DELAY_STAGES: tuple[str, ...] = (
     "tokenize", "route", "schedule", "kv_transfer", "decode_step", "detokenize", "stream_send",
@@ -174,6 +179,29 @@ class DelayConfig:
         while (remaining_ns := deadline_ns - time.monotonic_ns()) > 0:
             time.sleep(remaining_ns / 1e9)
         return length_ns
+
+
+def plant_engine_delays(engine: Engine, delays: DelayConfig) -> None:
+    """Plant the engine stages' delays inside ``engine``'s step: "schedule" before
+    planning (inside the step's schedule interval) and "decode_step" before a forward
+    pass that decodes (inside its compute interval). Instance attributes shadow the
+    scheduler's and runner's methods; call once per engine, before it runs. Does
+    nothing when neither stage is planted."""
+    if not (delays.has("schedule") or delays.has("decode_step")):
+        return
+    schedule, execute = engine.scheduler.schedule, engine.runner.execute
+
+    def delayed_schedule(now_ns: int, **kwargs: Any) -> Any:
+        delays.delay_sync("schedule")
+        return schedule(now_ns, **kwargs)
+
+    def delayed_execute(chunks: Any) -> Any:
+        if any(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks):
+            delays.delay_sync("decode_step")
+        return execute(chunks)
+
+    engine.scheduler.schedule = delayed_schedule  # type: ignore[method-assign]
+    engine.runner.execute = delayed_execute  # type: ignore[method-assign]
 
 
 def _check_stage(stage: str) -> None:

@@ -36,12 +36,21 @@ from reference_server.model import SamplingParams, apply_chat_template
 from reference_server.serving.backend import Backend, GenerateRequest
 from reference_server.serving.delays import DelayConfig
 from reference_server.serving.gateway_hooks import (
-    GatewayHooks, GatewayRequestFinished, RequestParsed, RequestReceived, Tokenized,
+    GatewayHooks,
+    GatewayRequestFinished,
+    RequestParsed,
+    RequestReceived,
+    Tokenized,
 )
 from reference_server.serving.gateway_intake import RequestContext, read_json_body, request_id_for
 from reference_server.serving.gateway_metrics import GatewayMetrics
 from reference_server.serving.gateway_openai import (
-    CHAT, TEXT_COMPLETION, CompletionRequest, OpenAIError, parse_chat_request, parse_completion_request,
+    CHAT,
+    TEXT_COMPLETION,
+    CompletionRequest,
+    OpenAIError,
+    parse_chat_request,
+    parse_completion_request,
 )
 from reference_server.serving.gateway_sse import GenerationResponse
 from reference_server.serving.gateway_tenants import TenantAuth

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from reference_server.engine.prefix_cache import extend_block_hashes
 
-__all__ = ["POLICIES", "Candidate", "Router", "make_router"]
+__all__ = ["POLICIES", "Candidate", "Router"]
 
 POLICIES = ("round_robin", "load_aware", "prefix_aware")
 _ALIASES = {"load": "load_aware", "prefix": "prefix_aware", "rr": "round_robin"}
@@ -114,8 +114,3 @@ class Router:
                 break
             n += 1
         return n
-
-
-def make_router(policy: str, *, block_size: int) -> Router:
-    """A router for ``policy`` (also accepts the short names load, prefix, rr)."""
-    return Router(policy, block_size=block_size)

@@ -36,15 +36,18 @@ import sys
 import time
 from typing import Any
 
-from reference_server.engine import Engine, EngineConfig, RequestOutput
+from reference_server.engine import Engine, EngineConfig, EngineLoop, RequestOutput
 from reference_server.engine.handoff import PrefilledKV
 from reference_server.serving.config_codec import engine_config_from_json, sampling_from_dict
-from reference_server.serving.delays import DelayConfig
-from reference_server.serving.engine_loop import EngineLoop
+from reference_server.serving.delays import DelayConfig, plant_engine_delays
 from reference_server.serving.kv_transfer import DEFAULT_CHUNK_BLOCKS, KVReceiver, send_kv
 from reference_server.serving.wire import WireError, read_frame, write_frame
 from reference_server.serving.worker_hooks import (
-    ObserverList, WorkerObserver, WorkerRequestReceived, WorkerStarted, WorkerStopped,
+    ObserverList,
+    WorkerObserver,
+    WorkerRequestReceived,
+    WorkerStarted,
+    WorkerStopped,
 )
 
 __all__ = ["ROLES", "Worker", "main"]
@@ -106,8 +109,8 @@ class Worker:
         self.delays = delays if delays is not None else DelayConfig()
         self.kv_chunk_blocks = kv_chunk_blocks
         self.engine = Engine(engine_config)
-        self.engine_loop = EngineLoop(self.engine, delay=self.delays.delay_sync if self.delays else None,
-                                      on_fatal=self._on_engine_failure)
+        plant_engine_delays(self.engine, self.delays)
+        self.engine_loop = EngineLoop(self.engine, on_fatal=self._on_engine_failure)
         self.exit_code = 0  # 1 after an engine failure
         self.observers = ObserverList()
         self.observers.add(_Relay(self))

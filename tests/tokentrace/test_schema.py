@@ -29,11 +29,13 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKED_DIRS = ("tokentrace", "instrument", "analyzers", "dashboard", "benchmarks", "tests")
 
 
-def test_thirteen_stages_with_dotted_labels():
-    assert len(Stage) == 13
+def test_fifteen_stages_in_pipeline_order_with_dotted_labels():
+    assert len(Stage) == 15
     labels = [s.label for s in Stage]
-    assert len(set(labels)) == 13
-    assert labels[0] == "gateway.receive" and labels[-1] == "stream.send"
+    assert len(set(labels)) == 15
+    assert labels[:2] == ["gateway.accept", "gateway.receive"]
+    assert labels[-3:] == ["detokenize", "stream.relay", "stream.send"]
+    assert sorted(int(s) for s in Stage) == list(range(15))  # values stay dense: files store them
     for s in Stage:
         assert Stage.from_label(s.label) is s
 

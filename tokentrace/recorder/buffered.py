@@ -275,15 +275,19 @@ class BufferedRecorder:
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,
                     first_token_ns: int = -1, num_output_tokens: int = -1,
-                    num_cached_tokens: int = -1, error: str = "") -> None:
+                    num_cached_tokens: int = -1, error: str = "", first_content_ns: int = -1) -> None:
         """Write the request's row, combining what :meth:`request_begin` noted.
+
+        ``first_token_ns``: the first output chunk (or token) this instance
+        emitted, sent or received; ``first_content_ns``: the first one with
+        visible content (non-empty text), when this instance can tell.
 
         Without a begin the row is still written: key, tenant, SLO class and
         trace id empty, ``arrival_ns`` and prompt tokens ``-1``. Any thread;
         never raises.
         """
         self._request_rows.end(request_id, finish_ns, status, first_token_ns, num_output_tokens,
-                               num_cached_tokens, error)
+                               num_cached_tokens, error, first_content_ns)
 
     # ------------------------------------------------------------------ instance
 

@@ -135,7 +135,7 @@ LAYOUTS: dict[str, Layout] = {
     REQUESTS.name: Layout(
         REQUESTS,
         (col.REQUEST_ID, col.REQUEST_KEY, col.TENANT, col.SLO_CLASS, col.ARRIVAL_NS,
-         col.FIRST_TOKEN_NS, col.FINISH_NS, col.NUM_PROMPT_TOKENS, col.NUM_CACHED_TOKENS,
+         col.FIRST_TOKEN_NS, col.FIRST_CONTENT_NS, col.FINISH_NS, col.NUM_PROMPT_TOKENS, col.NUM_CACHED_TOKENS,
          col.NUM_OUTPUT_TOKENS, col.STATUS, col.ERROR, col.TRACE_ID),
         extra_bytes=REQUEST_SIDE_BYTES,
         budget_share=0.08,

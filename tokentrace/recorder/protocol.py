@@ -72,7 +72,7 @@ class Recorder(Protocol):
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,
                     first_token_ns: int = -1, num_output_tokens: int = -1,
-                    num_cached_tokens: int = -1, error: str = "") -> None:
+                    num_cached_tokens: int = -1, error: str = "", first_content_ns: int = -1) -> None:
         """Write the request's row."""
         ...
 

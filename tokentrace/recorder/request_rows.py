@@ -67,7 +67,7 @@ class RequestRows:
         return request_id
 
     def end(self, request_id: int, finish_ns: int, status: int, first_token_ns: int,
-            num_output_tokens: int, num_cached_tokens: int, error: str) -> None:
+            num_output_tokens: int, num_cached_tokens: int, error: str, first_content_ns: int = -1) -> None:
         """Append the request's row (with its start, if one was kept)."""
         try:
             begin = self._open.pop(request_id, None) or _NO_BEGIN
@@ -80,7 +80,7 @@ class RequestRows:
             key_id = side.put(key)
             trace_slot = side.put(trace_id)
             row = _pack_request(request_id, key_id, tenant_id, slo_id, arrival_ns, first_token_ns,
-                                finish_ns, num_prompt, num_cached_tokens, num_output_tokens, status,
+                                first_content_ns, finish_ns, num_prompt, num_cached_tokens, num_output_tokens, status,
                                 self._labels.intern(error), trace_slot)
         except Exception:
             side.discard(key_id)

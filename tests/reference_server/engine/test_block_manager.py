@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from reference_server.engine.block_manager import BlockManager, CopyOp, EvictionRecord, _coalesce
-from reference_server.engine.policies import DropOnEvict, WatermarkAdmission
+from reference_server.engine.block_manager import BlockManager, CopyOp, _coalesce
+from reference_server.engine.cache_policies import DropOnEvict, WatermarkAdmission
+from reference_server.engine.hooks import Evicted
 
 
 def computed(seq, n: int):
@@ -95,7 +96,7 @@ def test_lru_evicts_tail_blocks_first(make_seq):
     d = make_seq("d", range(200, 248))
     table = bm.allocate_new(d, bm.match_prefix(d), 48).block_ids
     assert table == (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 0)
-    assert bm.take_evictions() == (EvictionRecord(0, 2, None),)
+    assert bm.take_evictions(step=3, ns=7) == (Evicted(3, 0, 2, None, 7),)
     assert bm.take_ops() == ()  # no lower tier: evicted blocks are dropped
     assert bm.match_prefix(make_seq("e", range(10))).hits == ()
 
@@ -126,7 +127,7 @@ def offloaded_setup(make_seq, *, offload=None):
 def test_eviction_offloads_prefix_blocks_to_the_host_keeping_their_hash(make_seq):
     bm, b = offloaded_setup(make_seq)
     assert bm.take_ops() == (CopyOp("offload", None, 0, (1, 0), 1, (0, 1)),)
-    assert bm.take_evictions() == (EvictionRecord(0, 2, 1),)
+    assert bm.take_evictions(step=3, ns=7) == (Evicted(3, 0, 2, 1, 7),)
     assert bm.usage().num_cached == (0, 2, 0)
     bm.free(b)
     c = make_seq("c", range(9))
@@ -142,7 +143,7 @@ def test_eviction_offloads_prefix_blocks_to_the_host_keeping_their_hash(make_seq
 def test_drop_on_evict_forgets_the_prefix(make_seq):
     bm, _ = offloaded_setup(make_seq, offload=DropOnEvict())
     assert bm.take_ops() == ()
-    assert bm.take_evictions() == (EvictionRecord(0, 2, None),)
+    assert bm.take_evictions(step=3, ns=7) == (Evicted(3, 0, 2, None, 7),)
     assert bm.match_prefix(make_seq("c", range(9))).hits == ()
 
 

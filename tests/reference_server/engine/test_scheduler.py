@@ -8,8 +8,8 @@ import pytest
 
 from reference_server.engine.block_manager import BlockManager, CopyOp
 from reference_server.engine.config import TenantConfig
-from reference_server.engine.policies import FCFSPolicy, SLODeadlinePolicy, WeightedFairPolicy
 from reference_server.engine.scheduler import Scheduler
+from reference_server.engine.scheduling_policies import FCFSPolicy, SLODeadlinePolicy, WeightedFairPolicy
 from reference_server.engine.sequence import FinishReason, PreemptionMode, SequenceStatus
 
 MS = 1_000_000  # ns
@@ -26,7 +26,7 @@ def make_scheduler(*, blocks=12, host=0, budget=16, max_seqs=8, policy=None, ten
 
 def step(sched, now_ns=0):
     """Plan and 'run' one step; return [(id, start, n, 'P'|'D', samples)]."""
-    out = sched.schedule(now_ns)
+    out = sched.schedule(now_ns, step=1)
     sched.update(out, {c.request_id: 7 for c in out.chunks if c.samples})
     return [(c.request_id, c.start_pos, c.num_tokens, "P" if c.is_prefill else "D", c.samples) for c in out.chunks]
 
@@ -160,8 +160,8 @@ def decode_three(make_seq, **kw):
 @pytest.mark.parametrize("policy,victim", [(FCFSPolicy(), "new"), (SLODeadlinePolicy(), "mid")])
 def test_preemption_victim_by_policy(make_seq, policy, victim):
     s = decode_three(make_seq, policy=policy)
-    out = s.schedule(0)
-    assert [(p.request_id, p.mode) for p in out.preempted] == [(victim, PreemptionMode.RECOMPUTE)]
+    out = s.schedule(0, step=1)
+    assert [(p.request_id, p.step, p.mode) for p in out.preempted] == [(victim, 1, "recompute")]
     assert sorted(c.request_id for c in out.chunks) == sorted({"old", "mid", "new"} - {victim})
     assert s.waiting[victim].status is SequenceStatus.PREEMPTED and s.waiting[victim].num_computed_tokens == 0
     assert out.num_preempted == 1 and s.num_preemptions[PreemptionMode.RECOMPUTE] == 1
@@ -171,9 +171,10 @@ def test_recompute_resumes_through_the_prefix_cache(make_seq):
     s = decode_three(make_seq)
     step(s)  # "new" preempted, its full block stays cached
     s.finish(s.running["old"], FinishReason.STOP)
-    out = s.schedule(0)
-    assert [(r.request_id, r.mode) for r in out.resumed] == [("new", PreemptionMode.RECOMPUTE)]
+    out = s.schedule(0, step=1)
+    assert [(r.request_id, r.step, r.mode) for r in out.resumed] == [("new", 1, "recompute")]
     (lookup,) = out.cache_lookups
+    assert (lookup.request_id, lookup.step) == ("new", 1) and lookup.start_ns <= lookup.end_ns
     # its block was evicted when "mid" took it, so everything (prompt + output) is recomputed
     assert (lookup.num_query_tokens, lookup.num_hit_tokens) == (5, 0)
     chunk = next(c for c in out.chunks if c.request_id == "new")
@@ -182,15 +183,15 @@ def test_recompute_resumes_through_the_prefix_cache(make_seq):
 
 def test_swap_preemption_and_resume(make_seq):
     s = decode_three(make_seq, host=4, mode=PreemptionMode.SWAP)
-    out = s.schedule(0)
-    assert [(p.request_id, p.mode) for p in out.preempted] == [("new", PreemptionMode.SWAP)]
+    out = s.schedule(0, step=1)
+    assert [(p.request_id, p.mode) for p in out.preempted] == [("new", "swap")]
     # new's keyed block is then reused by "mid": offloaded to the host first
     assert out.copy_ops == (CopyOp("swap_out", "new", 0, (2,), 1, (0,)), CopyOp("offload", None, 0, (2,), 1, (1,)))
     s.update(out, {c.request_id: 7 for c in out.chunks if c.samples})
     s.finish(s.running["old"], FinishReason.STOP)
     s.finish(s.running["mid"], FinishReason.STOP)
-    out = s.schedule(0)
-    assert [(r.request_id, r.mode) for r in out.resumed] == [("new", PreemptionMode.SWAP)]
+    out = s.schedule(0, step=1)
+    assert [(r.request_id, r.mode) for r in out.resumed] == [("new", "swap")]
     assert out.copy_ops[0] == CopyOp("swap_in", "new", 1, (0,), 0, (2,))
     chunk = out.chunks[0]
     assert (chunk.request_id, chunk.start_pos, chunk.num_tokens, chunk.is_prefill) == ("new", 4, 1, False)
@@ -198,8 +199,8 @@ def test_swap_preemption_and_resume(make_seq):
 
 def test_swap_falls_back_to_recompute_when_no_lower_tier(make_seq):
     s = decode_three(make_seq, mode=PreemptionMode.SWAP)
-    out = s.schedule(0)
-    assert [p.mode for p in out.preempted] == [PreemptionMode.RECOMPUTE]
+    out = s.schedule(0, step=1)
+    assert [p.mode for p in out.preempted] == ["recompute"]
 
 
 def test_abort_and_finish_free_blocks_and_counters(make_seq):
@@ -226,8 +227,8 @@ def test_fair_by_compute_time_charges_each_step_by_token_share(make_seq):
     s = make_scheduler(policy=policy, tenants=[TenantConfig("a", weight=1.0), TenantConfig("b", weight=2.0)])
     s.add(make_seq("a0", range(6), tenant="a"))
     s.add(make_seq("b0", range(10, 12), tenant="b", arrival_ns=1))
-    out = s.schedule(0)
+    out = s.schedule(0, step=1)
     s.update(out, {c.request_id: 7 for c in out.chunks if c.samples}, compute_ns=8_000)
     assert policy.service == {"a": 6_000.0, "b": 2_000.0}  # 6 and 2 of the step's 8 tokens
     assert policy.virtual_time == {"a": 6_000.0, "b": 1_000.0}
-    assert [c.request_id for c in s.schedule(0).chunks] == ["b0", "a0"]  # running order follows the key
+    assert [c.request_id for c in s.schedule(0, step=1).chunks] == ["b0", "a0"]  # running order follows the key

@@ -112,9 +112,12 @@ def test_metadata_indices() -> None:
     # seq2 pos 0 -> block 6.
     assert meta.slot_mapping.tolist() == [17, 6, 7, 32, 24]
     assert meta.decode_token_idx.tolist() == [0, 4]
-    assert meta.decode_block_tables.tolist() == [[9, 4], [6, 0]]
-    assert meta.decode_mask[:, 0, 0].tolist() == [
-        [True] * 6 + [False] * 2, [True] + [False] * 7]
+    # Both decode rows in one bucket of 2 blocks each; seq2's padding repeats its own block.
+    (bucket,) = meta.decode_buckets
+    assert (bucket.token_rows.tolist(), bucket.offset, bucket.num_rows, bucket.num_blocks, bucket.max_len) == (
+        [0, 4], 0, 2, 2, 6)
+    assert meta.decode_block_ids.tolist() == [9, 4, 6, 6]
+    assert bucket.mask[:, 0, 0].tolist() == [[True] * 6 + [False] * 2, [True] + [False] * 7]
     (group,) = meta.prefills
     assert (group.token_start, group.token_end, group.context_len) == (1, 4, 5)
     assert group.mask.tolist() == [[True] * 3 + [False] * 2, [True] * 4 + [False],

@@ -1,11 +1,20 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import time
 
 import pytest
 
-from reference_server.serving.delays import DELAY_STAGES, DelayConfig, StageDelay, parse_duration_ns
+from reference_server.engine import Engine, EngineConfig, EngineLoop
+from reference_server.model import SamplingParams
+from reference_server.serving.delays import (
+    DELAY_STAGES,
+    DelayConfig,
+    StageDelay,
+    parse_duration_ns,
+    plant_engine_delays,
+)
 
 
 @pytest.mark.parametrize(("text", "expected_ns"), [
@@ -118,3 +127,37 @@ def test_async_delay_sleeps_at_least_the_drawn_length_without_blocking_the_loop(
     assert 5_000_000 <= drawn <= 15_000_000
     assert elapsed >= drawn
     assert ticks > 0  # the loop kept running other tasks during the delay
+
+
+class _Outputs:
+    """An EngineLoop sink collecting outputs (engine thread) for the test thread."""
+
+    def __init__(self) -> None:
+        self.items: queue.Queue = queue.Queue()
+
+    def on_output(self, output):
+        self.items.put(output)
+
+    def on_handoff(self, state):
+        self.items.put(RuntimeError("unexpected handoff"))
+
+    def on_error(self, exc):
+        self.items.put(exc)
+
+
+def test_planted_decode_step_delay_is_slept_before_each_decode_step() -> None:
+    engine = Engine(EngineConfig(model="tiny", block_size=4, num_device_blocks=64, device="cpu"))
+    plant_engine_delays(engine, DelayConfig.parse("decode_step=20ms"))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        sink = _Outputs()
+        start = time.monotonic()
+        loop.submit(engine.prepare_request("a", "Prefill here, decode there.",
+                                           SamplingParams(max_tokens=3, ignore_eos=True)), sink)
+        outs = [sink.items.get(timeout=30) for _ in range(3)]
+        assert time.monotonic() - start >= 0.04  # two decode steps of at least 20 ms each
+        assert [o.token_index for o in outs] == [0, 1, 2]
+    finally:
+        loop.stop()
+        engine.close()

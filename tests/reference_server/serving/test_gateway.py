@@ -19,8 +19,14 @@ from reference_server.serving.backend import LocalBackend
 from reference_server.serving.delays import DelayConfig
 from reference_server.serving.gateway import GatewayConfig, create_app
 from reference_server.serving.gateway_hooks import (
-    ChunkWritten, GatewayRequestFinished, RecordingGatewayObserver, RequestParsed, RequestReceived, ResponseWritten,
-    Routed, Tokenized,
+    ChunkWritten,
+    GatewayRequestFinished,
+    RecordingGatewayObserver,
+    RequestParsed,
+    RequestReceived,
+    ResponseWritten,
+    Routed,
+    Tokenized,
 )
 from reference_server.serving.gateway_server import ServerThread, serve_in_thread
 from reference_server.serving.gateway_tenants import TenantAuth

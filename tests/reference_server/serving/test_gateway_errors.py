@@ -14,7 +14,12 @@ import torch
 from reference_server.engine import EngineConfig
 from reference_server.model import ByteTokenizer
 from reference_server.serving.backend import (
-    BackendStats, BackendUnavailable, GenerateRequest, InstanceStats, LocalBackend, TokenEvent,
+    BackendStats,
+    BackendUnavailable,
+    GenerateRequest,
+    InstanceStats,
+    LocalBackend,
+    TokenEvent,
 )
 from reference_server.serving.gateway import GatewayConfig, create_app
 from reference_server.serving.gateway_server import ServerThread, serve_in_thread

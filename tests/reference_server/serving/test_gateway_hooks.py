@@ -3,7 +3,11 @@ from __future__ import annotations
 import pytest
 
 from reference_server.serving.gateway_hooks import (
-    GatewayHooks, GatewayObserver, RecordingGatewayObserver, Routed, Tokenized,
+    GatewayHooks,
+    GatewayObserver,
+    RecordingGatewayObserver,
+    Routed,
+    Tokenized,
 )
 
 

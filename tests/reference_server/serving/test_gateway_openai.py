@@ -5,8 +5,17 @@ from typing import Any
 import pytest
 
 from reference_server.serving.gateway_openai import (
-    CHAT, TEXT_COMPLETION, OpenAIError, chat_chunk, chat_response, completion_chunk, completion_response,
-    parse_chat_request, parse_completion_request, usage, usage_chunk,
+    CHAT,
+    TEXT_COMPLETION,
+    OpenAIError,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    parse_chat_request,
+    parse_completion_request,
+    usage,
+    usage_chunk,
 )
 
 

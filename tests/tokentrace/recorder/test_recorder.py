@@ -58,7 +58,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
     rec.step(7, 110, 150, 3, 12, 2, 1, 3, 0, 10, 100, 5, 50, 1, 20)
     rec.cache_event(CacheEventKind.LOAD, Tier.DEVICE, 4, 105, 109, rid, 64, 8192, 7)
     rec.request_end(rid, finish_ns=200, status=RequestStatus.ERROR, first_token_ns=160,
-                    num_output_tokens=1, num_cached_tokens=8, error="oom")
+                    num_output_tokens=1, num_cached_tokens=8, error="oom", first_content_ns=165)
     rec.instance(role=Role.DECODE, name="decode-1", host="h1", pid=99,
                  anchor=Anchor(mono_ns=5, wall_ns=6), clock_offset_ns=-7, clock_rtt_ns=8)
     rec.flush()
@@ -66,7 +66,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
     assert rows(sink, REQUESTS) == [{
         col.REQUEST_ID: rid, col.REQUEST_KEY: "req-1", col.INSTANCE_ID: 42, col.TENANT: "acme",
         col.SLO_CLASS: "interactive", col.ARRIVAL_NS: 100, col.FIRST_TOKEN_NS: 160,
-        col.FINISH_NS: 200, col.NUM_PROMPT_TOKENS: 12, col.NUM_CACHED_TOKENS: 8,
+        col.FIRST_CONTENT_NS: 165, col.FINISH_NS: 200, col.NUM_PROMPT_TOKENS: 12, col.NUM_CACHED_TOKENS: 8,
         col.NUM_OUTPUT_TOKENS: 1, col.STATUS: int(RequestStatus.ERROR), col.ERROR: "oom",
         col.TRACE_ID: "ab" * 16,
     }]

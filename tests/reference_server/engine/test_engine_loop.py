@@ -1,16 +1,14 @@
-"""EngineLoop: prefill with handoff on one loop, import and decode on another."""
+"""EngineLoop: prefill with handoff on one loop, import and decode on another; errors reach sinks."""
 
 from __future__ import annotations
 
 import queue
-import time
 
 import torch
 
 from reference_server.engine import Engine, EngineConfig
+from reference_server.engine.engine_loop import EngineLoop, EngineStoppedError
 from reference_server.model import SamplingParams
-from reference_server.serving.delays import DelayConfig
-from reference_server.serving.engine_loop import EngineLoop
 
 torch.set_num_threads(1)
 CONFIG = EngineConfig(model="tiny", block_size=4, num_device_blocks=64, device="cpu")
@@ -61,21 +59,40 @@ def test_handoff_between_two_loops_gives_the_colocated_tokens():
         decode.engine.close()
 
 
-def test_bad_import_is_reported_and_planted_decode_delay_is_slept():
-    loop = EngineLoop(Engine(CONFIG), delay=DelayConfig.parse("decode_step=20ms").delay_sync)
+def test_bad_import_and_duplicate_id_are_reported_to_their_sinks():
+    loop = EngineLoop(Engine(CONFIG))
     loop.start()
     try:
-        sink = Sink()
-        start = time.monotonic()
-        loop.submit(loop.engine.prepare_request("a", PROMPT, SamplingParams(max_tokens=3)), sink)
-        outs = sink.take(3)
-        assert time.monotonic() - start >= 0.04  # two decode steps of at least 20 ms each
-        assert [o.token_index for _, o in outs] == [0, 1, 2]
+        sink, dup = Sink(), Sink()
+        loop.submit(loop.engine.prepare_request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)), sink)
+        loop.submit(loop.engine.prepare_request("a", PROMPT, GREEDY), dup)
+        (kind, exc), = dup.take(1)
+        assert kind == "error" and isinstance(exc, ValueError) and "duplicate request_id 'a'" in str(exc)
+        assert [o.token_index for _, o in sink.take(3)] == [0, 1, 2]  # the first "a" is untouched
         loop.submit_prefilled(loop.engine.prepare_request("b", PROMPT, GREEDY), (5,), b"wrong size", sink)
         (kind, exc), = sink.take(1)
         assert kind == "error" and "bytes" in str(exc)
     finally:
         loop.stop()
+        loop.engine.close()
+
+
+def test_stop_ends_open_requests_with_engine_stopped_error_and_frees_blocks():
+    loop = EngineLoop(Engine(CONFIG))
+    loop.start()
+    sink = Sink()
+    loop.submit(loop.engine.prepare_request("long", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True)), sink)
+    sink.take(1)
+    loop.stop()
+    try:
+        items = [sink.items.get(timeout=30)]
+        while items[-1][0] == "out":
+            items.append(sink.items.get(timeout=30))
+        kind, exc = items[-1]
+        assert kind == "error" and isinstance(exc, EngineStoppedError) and not loop.is_running
+        stats = loop.engine.stats()
+        assert stats.num_requests_aborted == 1 and stats.num_blocks_used == (0, 0, 0)
+    finally:
         loop.engine.close()
 
 
@@ -92,9 +109,9 @@ def test_a_failing_step_errors_open_requests_and_reports_fatal():
         sink = Sink()
         loop.submit(loop.engine.prepare_request("a", PROMPT, GREEDY), sink)
         (kind, exc), = sink.take(1)
-        assert kind == "error" and "device lost" in str(exc)
+        assert kind == "error" and isinstance(exc, EngineStoppedError) and "device lost" in str(exc)
         assert "device lost" in str(fatal.get(timeout=30))
-        assert isinstance(loop.error, RuntimeError)
+        assert isinstance(loop.error, RuntimeError) and exc.__cause__ is loop.error
     finally:
         loop.stop()
         loop.engine.close()

@@ -1,11 +1,17 @@
-"""EngineLoop: one Engine on its own thread, fed by an inbox, with handoff and resume.
+"""EngineLoop: one Engine stepped on its own thread, fed through an inbox.
 
-The serving layer's engine driver, used by :class:`~reference_server.serving.backend.LocalBackend`
-in-process and by every worker process. Like ``AsyncEngine`` it owns the engine on a
-private thread (the engine thread) that steps while any request is unfinished and sleeps
-on a condition variable otherwise; unlike it, requests can arrive already prefilled
-(KV imported from another engine), can resume after output tokens delivered elsewhere,
-and can leave after their first token with their KV exported (prefill role).
+The only driver of an :class:`~reference_server.engine.engine.Engine` on a thread:
+:class:`~reference_server.engine.async_engine.AsyncEngine` adapts it to asyncio, and
+the serving layer's in-process backend and worker processes use it directly.
+
+One thread (the engine thread) owns the engine and runs ``step()`` while any request
+is unfinished. Other threads never touch the engine: they queue requests, aborts and
+calls in an inbox (a list under a condition variable) that the engine thread drains
+before each step. When nothing is queued or running, the engine thread sleeps on the
+condition variable (no busy waiting). Besides plain requests, a request can arrive
+already prefilled (KV imported from another engine), resume after output tokens
+delivered elsewhere, or leave after its first token with its KV exported (prefill
+role of a disaggregated deployment; see :mod:`reference_server.engine.handoff`).
 
 Results go to a :class:`RequestSink` per request, called on the engine thread; a sink
 must not block (hand the value to an event loop with ``call_soon_threadsafe``).
@@ -14,16 +20,23 @@ must not block (hand the value to an event loop with ``call_soon_threadsafe``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from reference_server.engine import Engine, EngineStats, RequestOutput, Sequence
+from reference_server.engine.engine import Engine
 from reference_server.engine.handoff import PrefilledKV, admit_prefilled, export_prefilled, resume
+from reference_server.engine.outputs import EngineStats, RequestOutput
+from reference_server.engine.sequence import Sequence
 
-__all__ = ["EngineLoop", "RequestSink"]
+__all__ = ["EngineLoop", "EngineStoppedError", "RequestSink"]
 
 _THROTTLED_WAIT_S = 0.005  # re-check period while requests wait only for tenant buckets or free blocks
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop stopped (or a step failed, the cause chained) while a request was open."""
 
 
 class RequestSink(Protocol):
@@ -41,15 +54,13 @@ class EngineLoop:
     called from any thread and returns without waiting for the engine, except ``call``'s
     future and ``stop``."""
 
-    def __init__(self, engine: Engine, *, delay: Callable[[str], None] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
-        """``delay(stage)`` sleeps for an injected delay ("schedule", "decode_step");
-        ``on_fatal(exc)`` is called on the engine thread if a step raises (the loop then
-        ends, every open request having got ``on_error``)."""
+    def __init__(self, engine: Engine, *, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal(exc)`` is called on the engine thread if a step raises (the loop
+        then ends, every open request having got ``on_error``)."""
         self.engine = engine
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
-        self._inbox: list[tuple[Any, ...]] = []
+        self._inbox: list[tuple[Any, ...]] = []  # guarded by _cond
         self._sinks: dict[str, RequestSink] = {}  # engine thread only
         self._handoff: set[str] = set()  # requests that leave after their first new token
         self._pending_imports: list[tuple[Sequence, tuple[int, ...], bytes, RequestSink]] = []
@@ -57,21 +68,25 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what killed the loop, if anything
         self.last_stats: EngineStats = engine.stats()  # refreshed on the engine thread
-        if delay is not None:
-            _install_delays(engine, delay)
 
     # ------------------------------------------------------------------ control
 
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is not None and self._thread.is_alive():
+        """Start the engine thread (idempotent while it runs)."""
+        if self.is_running:
             return
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (blocking until it ends), abort what is left and tell its sinks."""
+        """Stop the thread (blocking until it ends), abort what is left (freeing its
+        blocks) and end every open request with :class:`EngineStoppedError`. Does not
+        close the engine."""
         thread = self._thread
         if thread is None:
             return
@@ -83,17 +98,19 @@ class EngineLoop:
         self._apply(self._take_inbox())
         for rid, sink in list(self._sinks.items()):
             self.engine.abort(rid)
-            sink.on_error(RuntimeError("the engine stopped"))
-        for seq, _, _, sink in self._pending_imports:
-            sink.on_error(RuntimeError("the engine stopped"))
+            sink.on_error(EngineStoppedError("the engine stopped"))
+        for _, _, _, sink in self._pending_imports:
+            sink.on_error(EngineStoppedError("the engine stopped"))
         self._sinks.clear()
+        self._handoff.clear()
         self._pending_imports.clear()
 
     def submit(self, seq: Sequence, sink: RequestSink, *, resume_tokens: Seq[int] = (),
                handoff: bool = False) -> None:
         """Queue ``seq`` (from ``Engine.prepare_request``). ``resume_tokens``: outputs
         already delivered elsewhere. ``handoff``: after its first new token, export its KV
-        to ``sink.on_handoff`` and drop it here (prefill role). Errors go to ``sink``."""
+        to ``sink.on_handoff`` and drop it here (prefill role). Errors (a duplicate id,
+        say) go to ``sink.on_error``."""
         self._put(("add", seq, sink, tuple(resume_tokens), handoff))
 
     def submit_prefilled(self, seq: Sequence, output_token_ids: Seq[int], data: bytes, sink: RequestSink) -> None:
@@ -130,7 +147,7 @@ class EngineLoop:
             with self._cond:
                 while not (self._inbox or self._stopping or (self._has_work() and idle_wait is None)):
                     if not self._cond.wait(timeout=idle_wait):
-                        break
+                        break  # throttle period over: try a step again
                 if self._stopping:
                     return
                 inbox, self._inbox = self._inbox, []
@@ -142,13 +159,8 @@ class EngineLoop:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as exc:  # a failed step ends every stream with the error
-                self.error = exc
-                for sink in self._sinks.values():
-                    sink.on_error(RuntimeError(f"engine step failed: {exc!r}"))
-                self._sinks.clear()
-                if self._on_fatal is not None:
-                    self._on_fatal(exc)
+            except Exception as exc:  # a failed step ends every open request with the error
+                self._fail(exc)
                 return
             self.last_stats = engine.stats()  # before delivery: a consumer seeing its last token sees this
             if self._deliver(outputs):
@@ -157,6 +169,16 @@ class EngineLoop:
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self._pending_imports)
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        for sink in self._sinks.values():
+            err = EngineStoppedError(f"engine step failed: {exc!r}")
+            err.__cause__ = exc
+            sink.on_error(err)
+        self._sinks.clear()
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _apply(self, inbox: list[tuple[Any, ...]]) -> None:
         for item in inbox:
@@ -232,22 +254,3 @@ class EngineLoop:
                 del self._sinks[rid]
                 self._handoff.discard(rid)
         return handed_off
-
-
-def _install_delays(engine: Engine, delay: Callable[[str], None]) -> None:
-    """Plant the injected delays inside the step: "schedule" before planning (inside the
-    step's schedule interval) and "decode_step" before a forward pass that decodes
-    (inside its compute interval). Instance attributes shadow the methods; done once."""
-    schedule, execute = engine.scheduler.schedule, engine.runner.execute
-
-    def delayed_schedule(now_ns: int) -> Any:
-        delay("schedule")
-        return schedule(now_ns)
-
-    def delayed_execute(chunks: Any) -> Any:
-        if any(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks):
-            delay("decode_step")
-        return execute(chunks)
-
-    engine.scheduler.schedule = delayed_schedule  # type: ignore[method-assign]
-    engine.runner.execute = delayed_execute  # type: ignore[method-assign]
