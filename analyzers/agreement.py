@@ -11,6 +11,12 @@ reference clock (:meth:`tokentrace.clock.RunClocks.align`):
   arrival -> token 0 delivered, delivered(i-1) -> delivered(i));
 * server stage sum = the sum of the durations of the token's spans (``spans.token_index`` = i),
   each clipped to the token's interval: the quantity the stage breakdown attributes;
+* chunks, not tokens, are what a client can count: a server that holds back a token
+  with no text yet (part of a UTF-8 character) delivers it with the next chunk, so
+  server tokens are grouped into the chunks they went out in (a token with a gateway
+  ``sent_ns`` closes a chunk) and the client's ``i``-th chunk is compared with the
+  server's ``i``-th: latencies and stage sums add up over a chunk's tokens. Without
+  held-back tokens a chunk is a token;
 * differences are server - client: a TTFT difference is normally negative (the
   client also waits for the network and for the server's accept/parse), an ITL
   difference is centred on zero (jitter of delivery).
@@ -100,23 +106,48 @@ def _stage_sums(spans: pa.Table | None, requests: pa.Table, tokens: pa.Table,
     """)
 
 
+def _chunk_of(tokens: pa.Table, instances: pa.Table, server: pd.DataFrame) -> pd.Series:
+    """Per row of ``server`` (request_id, token_index): the index of the token that closed its
+    chunk (the next one a server process sent), or the token itself in a request nothing sent."""
+    clients = client_instance_ids(instances)
+    srv = _only(tokens, clients, False) if clients else tokens
+    sent = srv.filter(pc.is_valid(srv.column(col.SENT_NS))).select([col.REQUEST_ID, col.TOKEN_INDEX]).to_pandas()
+    if sent.empty:
+        return server[col.TOKEN_INDEX]
+    closes = set(zip(sent[col.REQUEST_ID].astype("int64"), sent[col.TOKEN_INDEX].astype("int64")))
+    streamed = set(sent[col.REQUEST_ID].astype("int64"))
+    keys = list(zip(server[col.REQUEST_ID], server[col.TOKEN_INDEX]))
+    closing = pd.Series([k[1] if k in closes else np.nan for k in keys], index=server.index, dtype="float64")
+    chunk = closing.groupby(server[col.REQUEST_ID]).bfill()  # the next token that went out
+    plain = ~server[col.REQUEST_ID].isin(streamed)
+    return chunk.where(~plain, server[col.TOKEN_INDEX].astype("float64"))
+
+
 def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
                     spans: pa.Table | None = None) -> pd.DataFrame:
-    """One row per token seen by both sides: request_id, token_index, client_ns, server_ns,
-    diff_ns, server_stage_sum_ns and stage_diff_ns (nullable Int64 when spans are absent)."""
+    """One row per chunk seen by both sides: request_id, token_index (the chunk's position in
+    the stream, as the client counts it), client_ns, server_ns, diff_ns, server_stage_sum_ns
+    and stage_diff_ns (nullable Int64 when spans are absent). A chunk is a token unless the
+    server held tokens back (see the module docstring)."""
     client = client_token_times(requests, tokens, instances)
     server = token_intervals(requests, tokens, instances)[[col.REQUEST_ID, col.TOKEN_INDEX, LATENCY]]
     server = server.rename(columns={LATENCY: SERVER_NS})
     for df in (client, server):
         df[col.TOKEN_INDEX] = df[col.TOKEN_INDEX].astype("int64")
         df[col.REQUEST_ID] = df[col.REQUEST_ID].astype("int64")
-    out = client.merge(server, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")
-    out[SERVER_NS] = out[SERVER_NS].astype("int64")
-    out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]
     sums = _stage_sums(spans, requests, tokens, instances)
     if sums is not None:
         sums[col.TOKEN_INDEX] = sums[col.TOKEN_INDEX].astype("int64")
-        out = out.merge(sums, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="left")
+        server = server.merge(sums, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="left")
+    server["chunk"] = _chunk_of(tokens, instances, server)
+    server = server.dropna(subset=["chunk"])  # tokens after the last chunk sent: never delivered
+    agg = {SERVER_NS: "sum"} | ({STAGE_SUM_NS: lambda s: s.sum(min_count=1)} if sums is not None else {})
+    chunks = server.groupby([col.REQUEST_ID, "chunk"], as_index=False).agg(agg)
+    chunks[col.TOKEN_INDEX] = chunks.groupby(col.REQUEST_ID).cumcount().astype("int64")  # sorted by chunk
+    out = client.merge(chunks.drop(columns="chunk"), on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")
+    out[SERVER_NS] = out[SERVER_NS].astype("int64")
+    out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]
+    if sums is not None:
         out[STAGE_SUM_NS] = out[STAGE_SUM_NS].astype("Int64")
     else:
         out[STAGE_SUM_NS] = pd.array([pd.NA] * len(out), dtype="Int64")

@@ -49,6 +49,9 @@ def token_times(src: Source) -> str:
     """Name of the temp table with one row per delivered output token.
 
     Columns: request_id, token_index, token_start_ns, token_end_ns, latency_ns.
+    A token ends when a server process sent it to its client; failing that, when
+    the streaming process received it and held it back (no text yet: it went out
+    with the next chunk); failing that, when the engine emitted it.
     """
     def build() -> str:
         c = col
@@ -57,7 +60,8 @@ def token_times(src: Source) -> str:
         WITH arrivals AS (
             SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM srv_requests GROUP BY {c.REQUEST_ID}
         ), ends AS (
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, COALESCE(MIN({c.SENT_NS}), MIN({c.EMIT_NS})) AS t_end
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
+                   COALESCE(MIN({c.SENT_NS}), MIN({c.RECV_NS}), MIN({c.EMIT_NS})) AS t_end
             FROM srv_tokens GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
         ), ordered AS (
             SELECT e.*, a.arrival,

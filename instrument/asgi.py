@@ -6,9 +6,11 @@ middleware itself):
 
 * a ``requests`` row: key = the ``X-Request-Id`` request header (or a fresh
   UUID when absent), tenant from a configurable header, trace id from a W3C
-  ``traceparent`` header, ``arrival_ns`` = when the server handed the request
-  to the middleware (headers parsed: the first bytes of the request are in),
-  ``first_token_ns`` = the first token's ``sent_ns``, ``finish_ns`` = end of
+  ``traceparent`` header, ``arrival_ns`` = when uvicorn read the request's
+  first bytes (:mod:`instrument.transport`; else when the server handed the
+  request to the middleware), ``first_token_ns`` = ``first_content_ns`` = the
+  first token's ``sent_ns`` (the first chunk with visible text: the TTFT of
+  AIPerf and ``vllm bench``), ``finish_ns`` = end of
   the last body ``send`` (or when the app returned, if it never finished the
   response); prompt, output and cached token counts from the ``usage`` object
   of the final SSE chunk or the JSON body (output tokens fall back to the
@@ -17,7 +19,9 @@ middleware itself):
   error event) ``error``, a client that went away before the end
   ``aborted``; the error label is the body's ``error.type`` (or ``code``),
   else ``http_<status>``, the exception's class name or ``client_disconnected``;
-* ``gateway.receive`` (token 0): from arrival until the app has read the
+* ``gateway.accept`` (token 0): from the first byte read until the request
+  reached the middleware (uvicorn's parsing, the event loop's queue);
+* ``gateway.receive`` (token 0): from then until the app has read the
   whole request body (or until it starts the response without reading it);
 * for an SSE response (``text/event-stream``): one ``tokens`` row per
   ``data:`` event whose choices carry text (``text``, ``delta.content``, ...),
@@ -47,6 +51,7 @@ import re
 import uuid
 from typing import Any, Awaitable, Callable, Collection, MutableMapping
 
+from instrument import transport
 from instrument.sse import EventInfo, SseScanner, Usage, classify_event
 from tokentrace import api
 from tokentrace.clock import now_ns
@@ -80,12 +85,13 @@ def parse_traceparent(value: str) -> str:
 class _Exchange:
     """What the middleware learns about one HTTP request/response (event-loop thread only)."""
 
-    __slots__ = ("rec", "rid", "key", "tenant", "slo_class", "trace_id", "t_arrival", "receive_end_ns",
+    __slots__ = ("rec", "rid", "key", "tenant", "slo_class", "trace_id", "t_first_byte", "t_arrival", "receive_end_ns",
                  "status_code", "sse", "json_parts", "json_bytes", "max_json_bytes", "scanner",
                  "num_tokens", "t_first_token", "last_send_ns", "complete", "usage", "error",
                  "status", "body_error")
 
-    def __init__(self, rec: Any, headers: dict[bytes, bytes], arrival_ns: int, mw: TokenTraceMiddleware) -> None:
+    def __init__(self, rec: Any, headers: dict[bytes, bytes], arrival_ns: int, mw: TokenTraceMiddleware,
+                 first_byte_ns: int = -1) -> None:
         self.rec = rec
         key = headers.get(mw.request_id_header, b"").decode("latin-1").strip()
         self.key = key or uuid.uuid4().hex
@@ -94,7 +100,8 @@ class _Exchange:
         self.slo_class = (headers.get(mw.slo_class_header, b"").decode("latin-1").strip()
                           if mw.slo_class_header else "")
         self.trace_id = parse_traceparent(headers.get(b"traceparent", b"").decode("latin-1"))
-        self.t_arrival = arrival_ns
+        self.t_arrival = arrival_ns  # the request reached the middleware
+        self.t_first_byte = first_byte_ns if 0 <= first_byte_ns <= arrival_ns else -1
         self.receive_end_ns = -1
         self.status_code = 0
         self.sse = False
@@ -193,9 +200,12 @@ class _Exchange:
             self._fail(RequestStatus.ABORTED, "incomplete_response")
         usage = self.usage or Usage()
         rec = self.rec
+        if 0 <= self.t_first_byte < self.t_arrival:
+            rec.span(self.rid, Stage.GATEWAY_ACCEPT, self.t_first_byte, self.t_arrival, 0)
         if self.receive_end_ns >= 0:
             rec.span(self.rid, Stage.GATEWAY_RECEIVE, self.t_arrival, self.receive_end_ns, 0)
-        rec.request_begin(self.key, tenant=self.tenant, slo_class=self.slo_class, arrival_ns=self.t_arrival,
+        arrival = self.t_first_byte if self.t_first_byte >= 0 else self.t_arrival
+        rec.request_begin(self.key, tenant=self.tenant, slo_class=self.slo_class, arrival_ns=arrival,
                           num_prompt_tokens=usage.num_prompt_tokens, trace_id=self.trace_id)
         num_output = usage.num_output_tokens
         if num_output < 0 and self.sse:
@@ -203,7 +213,7 @@ class _Exchange:
         rec.request_end(self.rid, finish_ns=self.last_send_ns if self.complete else end_ns,
                         status=self.status, first_token_ns=self.t_first_token,
                         num_output_tokens=num_output, num_cached_tokens=usage.num_cached_tokens,
-                        error=self.error)
+                        error=self.error, first_content_ns=self.t_first_token)
 
 
 class TokenTraceMiddleware:
@@ -233,6 +243,7 @@ class TokenTraceMiddleware:
         self.paths = None if paths is None else frozenset(paths)
         self.max_json_bytes = int(max_json_bytes)
         self._warned = False
+        transport.install()  # first-byte times for gateway.accept, when the server is uvicorn
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or (self.paths is not None and scope.get("path") not in self.paths):
@@ -244,7 +255,8 @@ class TokenTraceMiddleware:
             return
         arrival_ns = now_ns()
         try:
-            ex = _Exchange(rec, {k.lower(): v for k, v in scope.get("headers", ())}, arrival_ns, self)
+            ex = _Exchange(rec, {k.lower(): v for k, v in scope.get("headers", ())}, arrival_ns, self,
+                           transport.first_byte_ns(scope))
         except Exception as e:
             self._warn(e)
             await self.app(scope, receive, send)

@@ -7,6 +7,10 @@ key the engines use, so rows of every process join):
 
 Token 0 (all spans carry ``token_index`` 0), before the engine:
 
+* ``gateway.accept``   ``[first byte read, received)``: from the moment uvicorn's
+  protocol read the request's first bytes (:mod:`instrument.transport`) until the
+  app saw the request (parsing, the event loop's queue); the request's arrival is
+  the first byte when known, else the app's receipt;
 * ``gateway.receive``  ``[received, tokenize start)``: headers, body, validation;
 * ``gateway.tokenize`` ``[tokenize start, tokenize end)``;
 * ``gateway.route``    ``[tokenize end, handed over)``: building the request,
@@ -16,8 +20,9 @@ Token 0 (all spans carry ``token_index`` 0), before the engine:
 
 Each streamed token i, after the engine emitted it:
 
-* ``stream.send`` ``[max(hand-out_i, sent_{i-1}), detok start)``: the relay from
-  the engine to the gateway and the wait on the gateway's loop. The hand-out is
+* ``stream.relay`` ``[max(hand-out_i, sent_{i-1}), detok start)``: the relay from
+  the engine to the gateway (a thread hand-off in one process, a socket frame from
+  a worker) and the wait on the gateway's loop. The hand-out is
   the in-process engine's emit time (:class:`TokenRelay`), or the worker's
   ``ChunkWritten.emitted_ns`` mapped onto this clock with the worker's offset
   (the estimate it wrote into its ``instances`` row and reported to this
@@ -27,6 +32,11 @@ Each streamed token i, after the engine emitted it:
 * ``stream.send`` ``[write start, write end)``: the write to the client;
 * a ``tokens`` row with ``sent_ns`` = write end: the token's delivery time,
   which analyzers prefer over the engine's emit time.
+
+A token whose text is empty (part of a UTF-8 character) is not written on its
+own: it goes out with the next chunk, so it has no gateway ``tokens`` row and its
+interval ends at the engine's emit. The ``requests`` row's ``first_content_ns``
+is the first chunk with visible text (the TTFT of AIPerf and ``vllm bench``).
 
 Disaggregated serving: ``transfer.kv`` of the decode worker's first token k,
 ``[prefill worker's hand-out of token k-1, first KV chunk reached the decode
@@ -54,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from instrument import transport
 from instrument.reference_cluster import TokenRelay
 from reference_server.serving import gateway_hooks as gh
 from tokentrace.clock import OffsetBook
@@ -96,13 +107,15 @@ class _GReq:
     """What the gateway tracer keeps per in-flight request."""
 
     rid: int
-    arrival_ns: int  # gateway monotonic clock, ns
+    arrival_ns: int  # the first byte was read (else the app received it); gateway monotonic clock, ns
+    received_ns: int  # the app received the request
     trace_id: str
     tenant: str = ""
     slo_class: str = ""
     cursor_ns: int = -1  # end of the last gateway span (route end, then the last token's send)
     tokenized: bool = False
     first_sent_ns: int = -1
+    first_content_ns: int = -1
     handoff: _Handoff | None = None  # until transfer.kv is recorded
     out_ns: int = -1  # the worker handed out the latest token (gateway clock), -1 = unknown
     out_index: int = -1
@@ -158,8 +171,13 @@ class GatewayTracer(gh.GatewayObserver):
         return len(self._reqs)
 
     def on_request_received(self, event: gh.RequestReceived) -> None:
-        self._reqs[event.request_id] = _GReq(request_id_of(event.request_id), event.t_ns,
-                                             trace_id_of(event.traceparent), event.tenant or "")
+        first_byte = transport.first_byte_ns()  # this runs in the request's task: its context
+        arrival = first_byte if 0 <= first_byte <= event.t_ns else event.t_ns
+        g = _GReq(request_id_of(event.request_id), arrival, event.t_ns, trace_id_of(event.traceparent),
+                  event.tenant or "")
+        self._reqs[event.request_id] = g
+        if arrival < event.t_ns:
+            self._rec.span(g.rid, Stage.GATEWAY_ACCEPT, arrival, event.t_ns, 0)
 
     def on_request_parsed(self, event: gh.RequestParsed) -> None:
         g = self._reqs.get(event.request_id)
@@ -171,8 +189,8 @@ class GatewayTracer(gh.GatewayObserver):
         if g is None:
             return
         rec = self._rec
-        if event.start_ns > g.arrival_ns:
-            rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.arrival_ns, event.start_ns, 0)
+        if event.start_ns > g.received_ns:
+            rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.received_ns, event.start_ns, 0)
         rec.span(g.rid, Stage.GATEWAY_TOKENIZE, event.start_ns, event.end_ns, 0)
         g.cursor_ns = event.end_ns
         g.tokenized = True
@@ -194,35 +212,56 @@ class GatewayTracer(gh.GatewayObserver):
             self._rec.span(g.rid, Stage.GATEWAY_ROUTE, g.cursor_ns, end_ns, 0)
         g.cursor_ns = -1  # the engine's spans cover the rest of token 0 up to its emit
 
-    def on_chunk_written(self, event: gh.ChunkWritten) -> None:
+    def on_token_held(self, event: gh.TokenHeld) -> None:
+        """A token without text yet: its interval ends when it reached this process (it is
+        delivered with the next chunk, whose interval holds the rest of the wait)."""
         g = self._reqs.get(event.request_id)
         if g is None:
             return
-        rec, i = self._rec, event.index
-        relay_start = event.received_ns
-        emitted = self._from_worker(event.instance, getattr(event, "emitted_ns", -1))
+        relay_start = self._relay_start(g, event.request_id, event.index, event.instance, event.emitted_ns,
+                                        event.received_ns)
+        if event.received_ns > relay_start:
+            self._rec.span(g.rid, Stage.STREAM_RELAY, relay_start, event.received_ns, event.index)
+        self._rec.token(g.rid, event.index, recv_ns=event.received_ns)
+        g.cursor_ns = max(g.cursor_ns, event.received_ns)
+
+    def _relay_start(self, g: _GReq, key: str, i: int, instance: str, emitted_ns: int, received_ns: int) -> int:
+        """Where token i's relay to this process starts: its hand-out (this clock), not before the
+        previous token's end; the gateway's receipt when the hand-out is unknown."""
+        relay_start = received_ns
+        emitted = self._from_worker(instance, emitted_ns)
         if emitted >= 0:
-            g.out_ns, g.out_index, g.out_instance = emitted, i, event.instance
+            g.out_ns, g.out_index, g.out_instance = emitted, i, instance
             if g.handoff is not None:
                 self._record_handoff(g)
         if 0 <= emitted < relay_start:  # the relay from the worker, on this clock (+- rtt/2)
             relay_start = emitted
         relay = self._relay
         if relay is not None:
-            emits = relay.emits.get(event.request_id)
+            emits = relay.emits.get(key)
             emit_ns = emits.pop(i, -1) if emits is not None else -1
             if emit_ns >= 0:
                 relay_start = emit_ns
         if g.cursor_ns > relay_start:  # token i's interval starts when token i-1 was sent
             relay_start = g.cursor_ns
+        return relay_start
+
+    def on_chunk_written(self, event: gh.ChunkWritten) -> None:
+        g = self._reqs.get(event.request_id)
+        if g is None:
+            return
+        rec, i = self._rec, event.index
+        relay_start = self._relay_start(g, event.request_id, i, event.instance, event.emitted_ns, event.received_ns)
         if event.detok_start_ns > relay_start:
-            rec.span(g.rid, Stage.STREAM_SEND, relay_start, event.detok_start_ns, i)
+            rec.span(g.rid, Stage.STREAM_RELAY, relay_start, event.detok_start_ns, i)
         rec.span(g.rid, Stage.DETOKENIZE, event.detok_start_ns, event.detok_end_ns, i)
         rec.span(g.rid, Stage.STREAM_SEND, event.write_start_ns, event.write_end_ns, i, -1, event.num_bytes)
         rec.token(g.rid, i, sent_ns=event.write_end_ns)
         g.cursor_ns = event.write_end_ns
         if g.first_sent_ns < 0:
             g.first_sent_ns = event.write_end_ns
+        if g.first_content_ns < 0 and event.has_content:
+            g.first_content_ns = event.write_end_ns
 
     def on_response_written(self, event: gh.ResponseWritten) -> None:
         g = self._reqs.get(event.request_id)
@@ -237,10 +276,10 @@ class GatewayTracer(gh.GatewayObserver):
         if g is None:
             return
         rec = self._rec
-        if not g.tokenized and event.t_ns > g.arrival_ns:  # refused while reading or validating
-            rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.arrival_ns, event.t_ns, -1)
+        if not g.tokenized and event.t_ns > g.received_ns:  # refused while reading or validating
+            rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.received_ns, event.t_ns, -1)
         rec.request_begin(event.request_id, tenant=g.tenant, slo_class=g.slo_class, arrival_ns=g.arrival_ns,
                           num_prompt_tokens=event.num_prompt_tokens, trace_id=g.trace_id)
         rec.request_end(g.rid, finish_ns=event.t_ns, status=_OUTCOME_STATUS.get(event.outcome, RequestStatus.ERROR),
                         first_token_ns=g.first_sent_ns, num_output_tokens=event.num_output_tokens,
-                        error=event.error or "")
+                        error=event.error or "", first_content_ns=g.first_content_ns)

@@ -173,6 +173,7 @@ def flush_on_shutdown(app: Any, recorder: Any, out: ServingTracers) -> None:
 
 
 def _attach_gateway(gateway: Any, recorder: Any, out: ServingTracers) -> None:
+    from instrument import transport
     from instrument.reference_cluster import TokenRelay
     from instrument.reference_gateway import GatewayTracer
     from reference_server.serving.backend import LocalBackend
@@ -183,6 +184,7 @@ def _attach_gateway(gateway: Any, recorder: Any, out: ServingTracers) -> None:
         _attach_engine(gateway.backend.engine, recorder, out, relay=relay)
     else:
         _serve_clock(recorder, out)
+    transport.install()  # first-byte times for gateway.accept (the gateway serves on uvicorn)
     clocks = None if out.clock_server is None else out.clock_server.book
     out.gateway = GatewayTracer(recorder, relay=relay, clocks=clocks)
     gateway.add_observer(out.gateway)

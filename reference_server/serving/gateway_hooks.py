@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 __all__ = [
-    "ChunkWritten", "GatewayHooks", "GatewayObserver", "GatewayObserverProtocol", "RecordingGatewayObserver",
+    "ChunkWritten", "TokenHeld", "GatewayHooks", "GatewayObserver", "GatewayObserverProtocol", "RecordingGatewayObserver",
     "RequestParsed", "RequestReceived", "ResponseWritten", "Routed", "Tokenized", "GatewayRequestFinished",
 ]
 
@@ -84,6 +84,10 @@ class Routed:
 class ChunkWritten:
     """One streamed token written to the client (stream mode only).
 
+    A token whose text is still empty (the first bytes of a UTF-8 character) is
+    not written on its own and gets no event: its text goes out with the next
+    chunk, as vLLM's incremental detokenizer does.
+
     ``received_ns``: the backend's token event reached the gateway; ``[detok_start_ns,
     detok_end_ns)``: the gateway turned it into the SSE chunk (text delta, JSON);
     ``[write_start_ns, write_end_ns)``: the write to the client connection."""
@@ -98,6 +102,20 @@ class ChunkWritten:
     write_start_ns: int
     write_end_ns: int
     num_bytes: int  # bytes of the SSE event
+    emitted_ns: int = -1  # the worker's engine handed the token out, on ``instance``'s clock (-1 = n/a)
+    has_content: bool = True  # the chunk carries text (False: only a finish reason)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHeld:
+    """A streamed token with no text yet (the first bytes of a UTF-8 character) reached the
+    gateway and was held back: its text goes out with the next chunk (stream mode only)."""
+
+    request_id: str
+    index: int  # 0-based output token index
+    token_id: int
+    instance: str  # worker that produced the token
+    received_ns: int  # the backend's token event reached the gateway
     emitted_ns: int = -1  # the worker's engine handed the token out, on ``instance``'s clock (-1 = n/a)
 
 
@@ -134,6 +152,7 @@ class GatewayObserverProtocol(Protocol):
     def on_tokenized(self, event: Tokenized) -> None: ...
     def on_routed(self, event: Routed) -> None: ...
     def on_chunk_written(self, event: ChunkWritten) -> None: ...
+    def on_token_held(self, event: TokenHeld) -> None: ...
     def on_response_written(self, event: ResponseWritten) -> None: ...
     def on_request_finished(self, event: GatewayRequestFinished) -> None: ...
 
@@ -155,6 +174,9 @@ class GatewayObserver:
 
     def on_chunk_written(self, event: ChunkWritten) -> None:
         """A streamed token was written."""
+
+    def on_token_held(self, event: TokenHeld) -> None:
+        """A streamed token without text yet was held back for the next chunk."""
 
     def on_response_written(self, event: ResponseWritten) -> None:
         """A non-streaming body was written."""
@@ -188,6 +210,9 @@ class RecordingGatewayObserver(GatewayObserver):
         self.events.append(event)
 
     def on_chunk_written(self, event: ChunkWritten) -> None:
+        self.events.append(event)
+
+    def on_token_held(self, event: TokenHeld) -> None:
         self.events.append(event)
 
     def on_response_written(self, event: ResponseWritten) -> None:

@@ -21,7 +21,13 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from reference_server.serving.backend import BackendUnavailable, GenerateRequest, TokenEvent
-from reference_server.serving.gateway_hooks import ChunkWritten, GatewayRequestFinished, ResponseWritten, Routed
+from reference_server.serving.gateway_hooks import (
+    ChunkWritten,
+    GatewayRequestFinished,
+    ResponseWritten,
+    Routed,
+    TokenHeld,
+)
 from reference_server.serving.gateway_intake import RequestContext
 from reference_server.serving.gateway_openai import (
     CHAT,
@@ -70,12 +76,13 @@ def error_for_backend_failure(exc: BaseException) -> OpenAIError:
 class _Progress:
     """What has happened so far (read after a cancellation to report the outcome)."""
 
-    __slots__ = ("status", "num_output_tokens", "last_token_ns", "prev_sent_ns", "first", "finish_reason",
-                 "error", "routed", "complete", "finished")
+    __slots__ = ("status", "num_output_tokens", "num_chunks", "last_token_ns", "prev_sent_ns", "first",
+                 "finish_reason", "error", "routed", "complete", "finished")
 
     def __init__(self) -> None:
         self.status = 0  # HTTP status sent; 0 = nothing sent yet
         self.num_output_tokens = 0
+        self.num_chunks = 0  # token chunks written (streamed); tokens with no text yet wait for the next one
         self.last_token_ns = 0  # gateway monotonic clock, ns: last token received from the backend
         self.prev_sent_ns = 0  # ... previous token sent (streamed) or received (collected)
         self.first: TokenEvent | None = None
@@ -153,7 +160,14 @@ class GenerationResponse:
         progress.status = 200
         event: TokenEvent | None = first
         while event is not None:
-            await self._write_token(send, event, received_ns)
+            if event.text or event.finish_reason is not None:
+                await self._write_token(send, event, received_ns)
+            else:  # part of a UTF-8 character: no chunk without content, it goes out with the next one
+                self._count_token(event, received_ns, -1)
+                if self.gateway.hooks.observers:
+                    self.gateway.hooks.emit("on_token_held", TokenHeld(
+                        self.ctx.request_id, event.index, event.token_id, event.instance, received_ns,
+                        event.emitted_ns))
             if event.finish_reason is not None:
                 break
             try:
@@ -183,7 +197,7 @@ class GenerationResponse:
         await delays.delay("detokenize")
         if ctx.operation == CHAT:
             chunk = chat_chunk(ctx.request_id, ctx.created, ctx.model, event.text, event.finish_reason,
-                               first=progress.num_output_tokens == 0, include_usage=ctx.include_usage)
+                               first=progress.num_chunks == 0, include_usage=ctx.include_usage)
         else:
             chunk = completion_chunk(ctx.request_id, ctx.created, ctx.model, event.text, event.finish_reason,
                                      include_usage=ctx.include_usage)
@@ -196,7 +210,7 @@ class GenerationResponse:
         if gw.hooks.observers:
             gw.hooks.emit("on_chunk_written", ChunkWritten(
                 ctx.request_id, event.index, event.token_id, event.instance, received_ns, detok_start_ns,
-                detok_end_ns, write_start_ns, write_end_ns, len(data), event.emitted_ns))
+                detok_end_ns, write_start_ns, write_end_ns, len(data), event.emitted_ns, bool(event.text)))
 
     # ------------------------------------------------------------------ one JSON answer
 
@@ -233,15 +247,21 @@ class GenerationResponse:
     # ------------------------------------------------------------------ bookkeeping
 
     def _count_token(self, event: TokenEvent, received_ns: int, sent_ns: int) -> None:
-        """Metrics of one token: TTFT for the first, inter-token time for the others."""
+        """Bookkeeping of one token; ``sent_ns`` -1 when it was held back (no text yet).
+
+        Metrics per chunk sent: TTFT for the first, the time since the previous
+        chunk for the others."""
         progress = self.progress
-        labels = self.ctx.metric_labels()
         if progress.num_output_tokens == 0:
             progress.first = event
-            self.gateway.metrics.ttft.labels(*labels).observe((sent_ns - self.ctx.arrival_ns) / 1e9)
-        else:
-            self.gateway.metrics.tpot.labels(*labels).observe((sent_ns - progress.prev_sent_ns) / 1e9)
-        progress.prev_sent_ns = sent_ns
+        if sent_ns >= 0:
+            labels = self.ctx.metric_labels()
+            if progress.num_chunks == 0:
+                self.gateway.metrics.ttft.labels(*labels).observe((sent_ns - self.ctx.arrival_ns) / 1e9)
+            else:
+                self.gateway.metrics.tpot.labels(*labels).observe((sent_ns - progress.prev_sent_ns) / 1e9)
+            progress.prev_sent_ns = sent_ns
+            progress.num_chunks += 1
         progress.last_token_ns = received_ns
         progress.num_output_tokens += 1
         progress.finish_reason = event.finish_reason

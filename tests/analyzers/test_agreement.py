@@ -119,3 +119,23 @@ def test_no_client_rows_gives_empty_results():
     keep = [r for r in requests.to_pylist() if r[col.INSTANCE_ID] == SERVER]
     df = token_agreement(_table(REQUESTS, keep), tokens, server_only, spans)
     assert df.empty
+
+
+def test_a_held_back_token_is_compared_as_part_of_the_chunk_that_carried_it():
+    """Server token 1 completed no character: the gateway received it at 12 ms (recv_ns, no
+    sent_ns) and sent its text with token 2's chunk at 20 ms. The client saw two chunks after
+    the first, at 11 and 20.5 ms: its chunk 1 is server tokens 1 + 2 (10 -> 12 -> 20 ms)."""
+    requests, tokens, instances, spans = _store()
+    rows = [r for r in tokens.to_pylist() if not (r[col.INSTANCE_ID] == SERVER and r[col.TOKEN_INDEX] == 1)]
+    rows = [r for r in rows if not (r[col.INSTANCE_ID] == CLIENT and r[col.TOKEN_INDEX] == 2)]
+    for r in rows:
+        if r[col.INSTANCE_ID] == CLIENT and r[col.TOKEN_INDEX] == 1:
+            r[col.RECV_NS] = 20_500_000
+    rows.append({col.REQUEST_ID: 1, col.TOKEN_INDEX: 1, col.RECV_NS: 12 * MS, col.INSTANCE_ID: SERVER})
+    held = pa.Table.from_pylist(rows, schema=TOKENS.schema)
+    df = token_agreement(requests, held, instances, spans)
+    assert list(df[col.TOKEN_INDEX]) == [0, 1]
+    assert list(df[CLIENT_NS]) == [11 * MS, 9_500_000]
+    assert list(df[SERVER_NS]) == [9 * MS, 2 * MS + 8 * MS]  # token 1 (10 -> 12) + token 2 (12 -> 20)
+    assert list(df[STAGE_SUM_NS]) == [9 * MS, 2 * MS + 5 * MS]  # decode 10-12 clipped, 14-19
+    assert list(df[DIFF_NS]) == [-2 * MS, 500_000]

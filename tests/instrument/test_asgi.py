@@ -137,7 +137,10 @@ def test_streaming_request_records_every_chunk_usage_and_receive(traced):
     assert req[col.FIRST_TOKEN_NS] == sent[0] and req[col.FINISH_NS] >= sent[-1]
     spans = _rows(sink, SPANS.name, "abc-1")
     (receive,) = [s for s in spans if s[col.STAGE] == Stage.GATEWAY_RECEIVE]
-    assert receive[col.START_NS] == req[col.ARRIVAL_NS] < receive[col.END_NS] <= sent[0]
+    (accept,) = [s for s in spans if s[col.STAGE] == Stage.GATEWAY_ACCEPT]  # uvicorn read the first byte
+    assert accept[col.START_NS] == req[col.ARRIVAL_NS] < accept[col.END_NS] == receive[col.START_NS]
+    assert receive[col.START_NS] < receive[col.END_NS] <= sent[0]
+    assert req[col.FIRST_CONTENT_NS] == req[col.FIRST_TOKEN_NS]
     assert receive[col.TOKEN_INDEX] == 0
     sends = [s for s in spans if s[col.STAGE] == Stage.STREAM_SEND]
     # role + 5 tokens (one split in two writes) + finish + usage + [DONE] chunks
@@ -216,6 +219,6 @@ def test_sampling_in_front_of_the_middleware_keeps_only_failed_requests():
     sampler.close()
     assert [r[col.REQUEST_KEY] for r in sink.table(REQUESTS.name).to_pylist()] == ["refused"]
     assert sink.num_rows(TOKENS.name) == 0
-    # "fine": request row + receive span + 3 tokens + 8 stream.send spans (role, 3 tokens
-    # with one split in two writes, finish, usage, [DONE])
-    assert sampler.sampling_counters[SAMPLED_OUT] == 1 + 1 + 3 + 8
+    # "fine": request row + accept and receive spans + 3 tokens + 8 stream.send spans (role,
+    # 3 tokens with one split in two writes, finish, usage, [DONE])
+    assert sampler.sampling_counters[SAMPLED_OUT] == 1 + 2 + 3 + 8

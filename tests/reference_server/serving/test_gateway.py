@@ -113,9 +113,12 @@ def test_openai_completions_streaming_matches_non_streaming(server: ServerThread
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
     chunks = list(c.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True}))
-    assert len(chunks) == 12  # one chunk per token
+    # One chunk per token, except that a token completing no character (the byte tokenizer
+    # emits UTF-8 bytes) is held back and goes out with the next chunk: no empty chunks.
+    assert 1 <= len(chunks) <= 12
+    assert all(ch.choices[0].text for ch in chunks[:-1])
     assert all(ch.id == chunks[0].id for ch in chunks)
-    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * 11 + ["length"]
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text  # greedy: same tokens
 
 
@@ -126,7 +129,8 @@ def test_openai_chat_streaming_with_include_usage(server: ServerThread) -> None:
         extra_body={"ignore_eos": True})
     chunks = list(stream)
     token_chunks, final = chunks[:-1], chunks[-1]
-    assert len(token_chunks) == 6
+    assert 1 <= len(token_chunks) <= 6  # tokens completing no character go out with the next chunk
+    assert all(ch.choices[0].delta.content for ch in token_chunks[:-1])
     assert token_chunks[0].choices[0].delta.role == "assistant"
     assert all(ch.usage is None for ch in token_chunks)
     assert token_chunks[-1].choices[0].finish_reason == "length"
@@ -188,7 +192,8 @@ def test_fifty_concurrent_streams_across_three_tenants(server: ServerThread) -> 
     for request_id, max_tokens, events in results:
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        assert len(chunks) == max_tokens
+        assert 1 <= len(chunks) <= max_tokens  # no chunk without text before the last
+        assert all(ch["choices"][0]["text"] for ch in chunks[:-1])
         assert {ch["id"] for ch in chunks} == {request_id}
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -322,14 +327,18 @@ def test_observers_see_a_request_in_order(served: tuple[ServerThread, LocalBacke
     assert wait_for(lambda: any(isinstance(e, GatewayRequestFinished) for e in recorder.for_request("hk-1")))
     events = recorder.for_request("hk-1")
     kinds = [type(e) for e in events]
-    assert kinds == [RequestReceived, RequestParsed, Tokenized, Routed] + [ChunkWritten] * 5 + [
+    num_chunks = sum(k is ChunkWritten for k in kinds)
+    assert 1 <= num_chunks <= 5  # a token completing no character goes out with the next chunk
+    assert kinds == [RequestReceived, RequestParsed, Tokenized, Routed] + [ChunkWritten] * num_chunks + [
         GatewayRequestFinished]
     received, parsed, tokenized, routed, *chunks, finished = events
     assert received.tenant == "acme" and received.path == "/v1/completions"
     assert received.t_ns <= parsed.t_ns <= tokenized.start_ns <= tokenized.end_ns <= routed.start_ns
     assert routed.start_ns <= routed.end_ns <= chunks[0].received_ns and routed.instance == "colocated-0"
     assert tokenized.num_prompt_tokens == len("hooks") + 1
-    assert [c.index for c in chunks] == list(range(5))
+    indices = [c.index for c in chunks]
+    assert indices == sorted(set(indices)) and indices[-1] == 4
+    assert all(c.has_content for c in chunks[:-1])
     for prev, chunk in zip([None, *chunks], chunks):
         assert chunk.received_ns <= chunk.detok_start_ns <= chunk.detok_end_ns <= chunk.write_start_ns
         assert chunk.write_start_ns <= chunk.write_end_ns
@@ -381,7 +390,7 @@ def test_planted_delays_show_up_in_their_hook_intervals() -> None:
     chunks = recorder.of_type(ChunkWritten)
     assert tokenized.end_ns - tokenized.start_ns >= 40_000_000
     assert routed.end_ns - routed.start_ns >= 25_000_000
-    assert len(chunks) == 3
+    assert 1 <= len(chunks) <= 3
     assert all(c.detok_end_ns - c.detok_start_ns >= 3_000_000 for c in chunks)
     assert all(c.write_end_ns - c.write_start_ns >= 6_000_000 for c in chunks)
 

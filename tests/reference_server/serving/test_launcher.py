@@ -76,7 +76,9 @@ def test_disagg_stack_serves_the_openai_client_and_stops_on_sigterm():
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30)
         chunks = list(client.completions.create(model="tiny", prompt="Launch the stack.", max_tokens=9,
                                                 temperature=0, stream=True))
-        assert sum(1 for c in chunks if c.choices) == 9
+        token_chunks = [c for c in chunks if c.choices]
+        assert 1 <= len(token_chunks) <= 9  # a token completing no character goes out with the next chunk
+        assert all(c.choices[0].text for c in token_chunks[:-1])
         assert chunks[-1].choices[0].finish_reason == "length"
         assert wait_for_sent_kv_bytes(url) > 0  # worker stats arrive with the next heartbeat
     finally:
