@@ -16,7 +16,7 @@ stage         applied by  point
 ============  ==========  ===================================================================
 tokenize      gateway     inside the tokenize interval (chat template + ``encode``)
 route         gateway     before handing the request to the backend (inside the route interval)
-schedule      workers     before the engine admits a request (its schedule.queue time)
+schedule      workers     once per admission, as the engine admits a request (its schedule.queue time)
 kv_transfer   workers     on each KV transfer from a prefill to a decode worker
 decode_step   workers     before every engine step that decodes tokens
 detokenize    gateway     per output token, while turning the backend's token into the chunk
@@ -28,9 +28,13 @@ it with :meth:`DelayConfig.parse`; ``str(config)`` gives back a spec that parses
 same delays, for passing on a command line. The two engine stages are planted inside the
 engine's step by :func:`plant_engine_delays`.
 
-Every delay is a real sleep of at least the drawn length (``asyncio.sleep`` in
-:meth:`DelayConfig.delay`, ``time.sleep`` in :meth:`DelayConfig.delay_sync`), measured on
-``time.monotonic_ns()``: nothing is simulated, so any profiler sees it where it was planted.
+Every delay is a real wait of the drawn length, measured on ``time.monotonic_ns()``: nothing
+is simulated, so any profiler sees it where it was planted. :meth:`DelayConfig.delay_sync`
+sleeps (``time.sleep``, accurate to tens of microseconds on Linux). :meth:`DelayConfig.delay`
+sleeps on the event loop until the last :data:`SPIN_BELOW_NS`, which the loop's timers
+cannot resolve (epoll waits in whole milliseconds: ``asyncio.sleep(300e-6)`` takes over a
+millisecond); it spends those yielding to other tasks in a loop, so it ends within tens of
+microseconds of its deadline without blocking the event loop.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ DELAY_STAGES: tuple[str, ...] = (
 _UNIT_NS = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ns|us|ms|s)\s*$")
 _MAX_DELAY_NS = 3_600 * 1_000_000_000  # one hour: anything longer is surely a typo
+SPIN_BELOW_NS = 2_000_000
+"""The last part of an event-loop delay, spent yielding rather than on a timer (ns)."""
 
 
 def parse_duration_ns(text: str) -> int:
@@ -164,9 +170,10 @@ class DelayConfig:
         if length_ns <= 0:
             return 0
         deadline_ns = time.monotonic_ns() + length_ns
-        while (remaining_ns := deadline_ns - time.monotonic_ns()) > 0:
-            # The loop's timer may wake a little early (its clock resolution); sleep the rest.
-            await asyncio.sleep(remaining_ns / 1e9)
+        while (remaining_ns := deadline_ns - time.monotonic_ns()) > SPIN_BELOW_NS:
+            await asyncio.sleep((remaining_ns - SPIN_BELOW_NS) / 1e9)
+        while time.monotonic_ns() < deadline_ns:
+            await asyncio.sleep(0)  # yields to the loop's other tasks; a timer would oversleep
         return length_ns
 
     def delay_sync(self, stage: str) -> int:
@@ -182,25 +189,26 @@ class DelayConfig:
 
 
 def plant_engine_delays(engine: Engine, delays: DelayConfig) -> None:
-    """Plant the engine stages' delays inside ``engine``'s step: "schedule" before
-    planning (inside the step's schedule interval) and "decode_step" before a forward
-    pass that decodes (inside its compute interval). Instance attributes shadow the
-    scheduler's and runner's methods; call once per engine, before it runs. Does
-    nothing when neither stage is planted."""
+    """Plant the engine stages' delays inside ``engine``'s step: "schedule" once per
+    admission, as the scheduler moves a request to running (after its prefix-cache
+    lookup, before its first compute: the request's schedule.queue time) and
+    "decode_step" before a forward pass that decodes (inside its compute interval).
+    Instance attributes shadow the scheduler's and runner's methods; call once per
+    engine, before it runs. Does nothing when neither stage is planted."""
     if not (delays.has("schedule") or delays.has("decode_step")):
         return
-    schedule, execute = engine.scheduler.schedule, engine.runner.execute
+    start_running, execute = engine.scheduler.start_running, engine.runner.execute
 
-    def delayed_schedule(now_ns: int, **kwargs: Any) -> Any:
+    def delayed_start_running(seq: Any) -> None:
         delays.delay_sync("schedule")
-        return schedule(now_ns, **kwargs)
+        start_running(seq)
 
     def delayed_execute(chunks: Any) -> Any:
         if any(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks):
             delays.delay_sync("decode_step")
         return execute(chunks)
 
-    engine.scheduler.schedule = delayed_schedule  # type: ignore[method-assign]
+    engine.scheduler.start_running = delayed_start_running  # type: ignore[method-assign]
     engine.runner.execute = delayed_execute  # type: ignore[method-assign]
 
 

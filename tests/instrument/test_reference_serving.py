@@ -134,6 +134,7 @@ def test_local_stack_tiles_every_token_and_keeps_the_gateway_view(tmp_path: Path
 # to the event loop for the GIL.
 STAGE_OF_DELAY = {
     "tokenize=30ms": ("gateway.tokenize", "ttft", "", 1),
+    "schedule=25ms": ("schedule.queue", "ttft", "", 1),
     "decode_step=22ms": ("decode.compute", "itl", "decode_step=2ms", MAX_TOKENS),
     "detokenize=20ms": ("detokenize", "itl", "detokenize=5ms", MAX_TOKENS),
 }

@@ -161,3 +161,55 @@ def test_planted_decode_step_delay_is_slept_before_each_decode_step() -> None:
     finally:
         loop.stop()
         engine.close()
+
+
+def test_a_sub_millisecond_async_delay_sleeps_what_it_says() -> None:
+    """300 us on the event loop: the loop's timers wait whole milliseconds (epoll), so a plain
+    ``asyncio.sleep`` took over 1 ms. A loaded machine only ever adds time, so the quickest of
+    twenty tries shows what the injector itself does."""
+    cfg = DelayConfig.parse("stream_send=300us")
+
+    async def tries() -> list[int]:
+        out = []
+        for _ in range(20):
+            start = time.monotonic_ns()
+            await cfg.delay("stream_send")
+            out.append(time.monotonic_ns() - start)
+        return out
+
+    elapsed = asyncio.run(tries())
+    assert min(elapsed) >= 300_000
+    assert min(elapsed) < 800_000, sorted(elapsed)[:5]
+
+
+class _CountingDelays(DelayConfig):
+    """Counts the synchronous delays taken per stage."""
+
+    def __init__(self, spec: str) -> None:
+        parsed = DelayConfig.parse(spec)
+        super().__init__(parsed.stages)
+        object.__setattr__(self, "taken", {})
+
+    def delay_sync(self, stage: str) -> int:
+        self.taken[stage] = self.taken.get(stage, 0) + 1
+        return super().delay_sync(stage)
+
+
+def test_the_schedule_delay_is_taken_once_per_admission_not_per_step() -> None:
+    engine = Engine(EngineConfig(model="tiny", block_size=4, num_device_blocks=64, device="cpu"))
+    delays = _CountingDelays("schedule=1ms")
+    plant_engine_delays(engine, delays)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        sinks = [_Outputs(), _Outputs()]
+        for i, sink in enumerate(sinks):
+            loop.submit(engine.prepare_request(f"r{i}", "Admit me once.", SamplingParams(max_tokens=6, ignore_eos=True)),
+                        sink)
+        for sink in sinks:
+            outs = [sink.items.get(timeout=30) for _ in range(6)]
+            assert [o.token_index for o in outs] == list(range(6))
+    finally:
+        loop.stop()
+        engine.close()
+    assert delays.taken["schedule"] == 2  # two admissions, at least six steps
