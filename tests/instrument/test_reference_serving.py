@@ -5,10 +5,7 @@ decode workers, one of them with a planted clock skew)."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +27,8 @@ from reference_server.serving.gateway_server import serve_in_thread
 from tokentrace.clock import align
 from tokentrace.schema import TOKENS, RequestStatus, Role, Stage, col, request_id_of
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the serving_tiling helper
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the serving_tiling and deployments helpers
+from deployments import traced_server  # noqa: E402
 from serving_tiling import clipped_stage_times, handover_ns, load, unattributed_share  # noqa: E402
 
 torch.set_num_threads(1)
@@ -195,26 +193,6 @@ def test_unwritable_store_drops_counted_and_server_keeps_serving(tmp_path: Path,
 
 
 # ---------------------------------------------------------------------- whole deployments, `tokentrace run`
-
-
-@contextmanager
-def traced_server(store: Path, run: str, args: list[str], env: dict[str, str] | None = None) -> Iterator[str]:
-    """``tokentrace run -- python -m reference_server ARGS``; yields its URL; always cleaned up."""
-    cmd = [sys.executable, "-c", "from tokentrace.cli import main; main()", "run", "--store", str(store),
-           "--run", run, "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", "tiny",
-           "--device", "cpu", "--block-size", "4", "--num-device-blocks", "512", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("READY "), (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
-        yield line.split()[1]
-        proc.send_signal(signal.SIGTERM)  # forwarded by tokentrace run to the launcher
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def check_deployment(t: dict, times: pd.DataFrame, *, num_requests: int) -> None:
