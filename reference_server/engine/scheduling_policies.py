@@ -41,16 +41,8 @@ class SchedulingPolicy(Protocol):
     def on_tenant_active(self, tenant: str, active_tenants: Iterable[str]) -> None: ...
 
 
-class FCFSPolicy:
-    """First come, first served: admit by arrival; preempt the latest arrival."""
-
-    name = "fcfs"
-
-    def waiting_key(self, seq: Sequence) -> tuple:
-        return (seq.arrival_ns, seq.seq_no)
-
-    def victim_key(self, seq: Sequence) -> tuple:
-        return (seq.arrival_ns, seq.seq_no)
+class _OrderOnly:
+    """A policy that only orders requests: it keeps no state, so its hooks do nothing."""
 
     def on_scheduled(self, seq: Sequence, num_tokens: int, *, is_new: bool) -> None:
         return None
@@ -62,7 +54,19 @@ class FCFSPolicy:
         return None
 
 
-class SLODeadlinePolicy:
+class FCFSPolicy(_OrderOnly):
+    """First come, first served: admit by arrival; preempt the latest arrival."""
+
+    name = "fcfs"
+
+    def waiting_key(self, seq: Sequence) -> tuple:
+        return (seq.arrival_ns, seq.seq_no)
+
+    def victim_key(self, seq: Sequence) -> tuple:
+        return (seq.arrival_ns, seq.seq_no)
+
+
+class SLODeadlinePolicy(_OrderOnly):
     """Earliest TTFT deadline (arrival + class ttft_ms) first; preempt the lowest class
     priority first, and among equals the latest deadline."""
 
@@ -75,15 +79,6 @@ class SLODeadlinePolicy:
     def victim_key(self, seq: Sequence) -> tuple:
         deadline_ns = seq.arrival_ns + int(seq.slo_class.ttft_ms * 1_000_000)
         return (-seq.slo_class.priority, deadline_ns, seq.seq_no)
-
-    def on_scheduled(self, seq: Sequence, num_tokens: int, *, is_new: bool) -> None:
-        return None
-
-    def on_computed(self, seq: Sequence, compute_ns: float) -> None:
-        return None
-
-    def on_tenant_active(self, tenant: str, active_tenants: Iterable[str]) -> None:
-        return None
 
 
 class WeightedFairPolicy:
