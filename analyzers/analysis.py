@@ -4,6 +4,7 @@ Open it from a store::
 
     run = tokentrace.open("traces/")           # the newest run
     a = run.analyze()                          # a RunAnalysis
+    a.load()                                   # offered vs served load; saturated? which pool?
     a.latency(by="tenant")                     # TTFT / TPOT / ITL / E2E percentiles per tenant
     a.stage_breakdown()                        # where TTFT and ITL went, mean and tail
     a.slo(); a.goodput(); a.fluidity()         # SLO attainment, DistServe goodput, Etalon fluidity
@@ -26,11 +27,14 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from analyzers import attribution as _attribution
 from analyzers import batch as _batch
 from analyzers import cache as _cache
 from analyzers import critical_path as _critical
 from analyzers import diff as _diff
 from analyzers import latency as _latency
+from analyzers import load as _load
+from analyzers import neighbours as _neighbours
 from analyzers import pd_ratio as _pd
 from analyzers import queues as _queues
 from analyzers import slo as _slo
@@ -56,6 +60,13 @@ class RunAnalysis:
     def of(cls, source: Source) -> "RunAnalysis":
         """Analyses over an existing :class:`~analyzers.source.Source` (e.g. in-memory tables)."""
         return cls(source=source)
+
+    # ------------------------------------------------------------ load
+
+    def load(self) -> _load.LoadReport:
+        """Offered load (over the arrival window) against served load, and whether the run was saturated:
+        the verdict, the pool and the stage that saturate, per-pool utilisation and queue growth."""
+        return _load.load(self.source)
 
     # ------------------------------------------------------------ latency and SLOs
 
@@ -85,8 +96,17 @@ class RunAnalysis:
         return _breakdown.breakdown(self.source, by=by, window_s=window_s)
 
     def unattributed_share(self) -> float:
-        """Time no stage covers, over all token latency (0..1); should stay under 0.01."""
-        return _breakdown.unattributed(self.source)
+        """Token latency minus stage time, over all token latency, signed (negative when stages claim more
+        than the tokens' time); |share| should stay under 0.01."""
+        return _attribution.unattributed_share(self.source)
+
+    def overlap_share(self) -> float:
+        """Time two or more stages both claim (double-counted), over all token latency; should stay under 0.01."""
+        return _attribution.overlap_share(self.source)
+
+    def attribution(self) -> pd.DataFrame:
+        """Unattributed (signed), overlap and uncovered shares for TTFT, ITL and all tokens."""
+        return _attribution.attribution(self.source)
 
     def critical_path(self) -> pd.DataFrame:
         """Ordered stage chain to the first token, for median (p50) and tail (p99) requests."""
@@ -107,12 +127,15 @@ class RunAnalysis:
         return _queues.littles_law(self.source)
 
     def cache(self) -> _cache.CacheReport:
-        """Prefix hit rates (by tokens and requests), per-tier hits, churn, transfers, cost of misses."""
+        """Prefix hit rates (by tokens and requests, over time, beside the best achievable), per-tier hits, churn,
+        transfers, and the value of a hit on the stages it changes (lookup, load, prefill per prompt token)."""
         return _cache.cache(self.source)
 
-    def pd_ratio(self) -> _pd.PdRatio:
-        """Prefill / decode utilisation per pool, queue watermarks, KV transfer share, recommended ratio."""
-        return _pd.pd_ratio(self.source)
+    def pd_ratio(self, *, headroom: float = _pd.DEFAULT_HEADROOM,
+                 targets: Mapping[str, _slo.SloTargets] | None = None) -> _pd.PdRatio:
+        """Prefill / decode utilisation per pool, queue watermarks, KV transfer share, and whole instances per
+        pool for the offered load within the SLO targets, keeping ``headroom`` of each instance idle."""
+        return _pd.pd_ratio(self.source, targets=targets, headroom=headroom)
 
     def batch(self) -> pd.DataFrame:
         """Step time and ITL against batch size (power-of-two bins)."""
@@ -129,18 +152,21 @@ class RunAnalysis:
         return _tenants.tenants(self.source, weights=weights)
 
     def noisy_neighbours(self, *, window_s: float | None = None, z_threshold: float = 2.0,
-                         min_correlation: float = 0.5) -> pd.DataFrame:
-        """Tenant pairs where one tenant's arrival bursts line up with the other's p99 TTFT."""
-        return _tenants.noisy_neighbours(self.source, window_s=window_s, z_threshold=z_threshold,
-                                         min_correlation=min_correlation)
+                         permutations: int = 1000, seed: int = 0) -> pd.DataFrame:
+        """Every tenant pair: the victim's TTFT in the aggressor's arrival bursts against its own trend,
+        with sample sizes and a permutation p-value; flagged only with enough data and a real effect."""
+        return _neighbours.noisy_neighbours(self.source, window_s=window_s, z_threshold=z_threshold,
+                                            permutations=permutations, seed=seed)
 
     # ------------------------------------------------------------ comparisons
 
     def diff(self, baseline: Any, *, resamples: int = 1000, seed: int = 0, min_effect: float = 0.02,
-             confidence: float = 0.95) -> pd.DataFrame:
-        """This run (candidate) against ``baseline`` (a RunAnalysis, Run or Source), bootstrap CIs per metric."""
+             min_effect_ms: float = 0.1, confidence: float = 0.95) -> pd.DataFrame:
+        """This run (candidate) against ``baseline`` (a RunAnalysis, Run or Source): bootstrap CIs, p-values and
+        sample sizes per metric and stage; significant changes need ``min_effect`` and ``min_effect_ms``;
+        regressions ranked by their contribution to TTFT and ITL."""
         return _diff.diff(_as_source(baseline), self.source, resamples=resamples, seed=seed,
-                          min_effect=min_effect, confidence=confidence)
+                          min_effect=min_effect, min_effect_ms=min_effect_ms, confidence=confidence)
 
     def agreement(self) -> pd.DataFrame:
         """Server view against the client's (``analyzers.agreement.agreement_summary``); empty without client rows."""

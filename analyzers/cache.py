@@ -15,22 +15,47 @@
   recompute (an estimate: events carry block counts, not block ids).
 * Transfers per kind and tier: events, blocks, bytes, summed time and bytes per
   second of transfer time.
-* Cost of misses: requests with and without a prefix hit compared on mean TTFT
-  and on TTFT per prompt token (mean of ttft / prompt tokens).
+* Value of a hit (:func:`hit_value`), measured on the stages a hit changes:
+  ``cache.lookup``, ``cache.load`` and ``prefill.compute`` (every span of the
+  request, on any instance), with queueing (``schedule.queue``) and everything
+  else excluded: requests that hit arrive when the cache is warm, often behind a
+  burst, so their whole TTFT says more about the queue than about the cache.
+  Per group (``hit``: some cached prompt tokens, ``miss``: none): mean lookup,
+  load and prefill ms, and ms_per_prompt_token = summed stage time / summed prompt
+  tokens. saved_ms_per_hit = what a hit request's prompt would cost at the miss
+  rate per prompt token, minus what it cost. Requests without any of those
+  spans are not measured (the group's figures are NaN); mean queue and TTFT are
+  shown beside, not used.
+* Hit rate over time (:func:`hit_rate_over_time`): token- and request-weighted
+  hit rates per arrival window.
+* Best achievable hit rate: when the run replayed a trace with block hashes
+  (Mooncake ``hash_ids``), ``tokentrace bench`` records in the manifest
+  (``config.bench.prefix_bound``) the hit rate an unbounded prefix cache would
+  get on it, by tokens in whole server blocks (``best_token_hit_rate``) and by
+  trace blocks (``best_block_hit_rate``); :func:`prefix_hits` shows it beside the
+  measured rate (NaN when the run's trace had no block hashes).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import pandas as pd
 
 from analyzers.source import Source
 from analyzers.timing import TTFT_NS, request_table, run_bounds
-from tokentrace.schema import CacheEventKind, Tier, col
+from tokentrace.schema import CacheEventKind, Stage, Tier, col
 
-__all__ = ["CacheReport", "prefix_hits", "tier_hits", "eviction_churn", "transfers", "miss_cost", "cache"]
+__all__ = ["CacheReport", "PREFIX_BOUND_KEY", "prefix_bound", "prefix_hits", "tier_hits", "eviction_churn", "transfers",
+           "hit_value", "hit_rate_over_time", "cache"]
+
+PREFIX_BOUND_KEY = "prefix_bound"
+"""Key, inside the manifest's ``config.bench``, of the best achievable prefix hit rates of the replayed trace."""
+_BENCH_KEY = "bench"  # tokentrace.bench.runner.BENCH_CONFIG_KEY (analyzers do not import the application layer)
+_HIT_STAGES = (Stage.CACHE_LOOKUP, Stage.CACHE_LOAD, Stage.PREFILL_COMPUTE)
+_NUM_WINDOWS = 20  # default hit-rate windows over a run
 
 _TRANSFER_KINDS = (CacheEventKind.SWAP_OUT, CacheEventKind.SWAP_IN, CacheEventKind.OFFLOAD,
                    CacheEventKind.LOAD, CacheEventKind.PREFETCH)
@@ -44,15 +69,32 @@ class CacheReport:
     tiers: pd.DataFrame
     churn: pd.DataFrame
     transfers: pd.DataFrame
-    miss_cost: pd.DataFrame
+    hit_value: pd.DataFrame
+    hit_rate_over_time: pd.DataFrame
 
 
 def _tier_label(t: object) -> str:
     return Tier(int(t)).label if t is not None and not pd.isna(t) and int(t) >= 0 else "none"
 
 
+def prefix_bound(manifest: Mapping[str, Any]) -> dict[str, float]:
+    """The best achievable hit rates the bench recorded for the run's trace (empty when none was)."""
+    config = manifest.get("config") if isinstance(manifest, Mapping) else None
+    bench = config.get(_BENCH_KEY) if isinstance(config, Mapping) else None
+    bound = bench.get(PREFIX_BOUND_KEY) if isinstance(bench, Mapping) else None
+    if not isinstance(bound, Mapping):
+        return {}
+    out = {}
+    for key in ("best_token_hit_rate", "best_block_hit_rate"):
+        value = bound.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
 def prefix_hits(src: Source) -> pd.DataFrame:
-    """One row: num_requests, prompt_tokens, cached_tokens, token_hit_rate, request_hit_rate."""
+    """One row: num_requests, prompt_tokens, cached_tokens, token_hit_rate, request_hit_rate,
+    best_token_hit_rate, best_block_hit_rate (NaN unless the bench recorded the trace's bound)."""
     c = col
     df = src.df(f"""
         SELECT COUNT(*) AS num_requests, SUM({c.NUM_PROMPT_TOKENS}) AS prompt_tokens,
@@ -63,7 +105,11 @@ def prefix_hits(src: Source) -> pd.DataFrame:
     df["prompt_tokens"] = df["prompt_tokens"].fillna(0).astype("int64")
     df["cached_tokens"] = df["cached_tokens"].fillna(0).astype("int64")
     df["token_hit_rate"] = df["cached_tokens"] / df["prompt_tokens"].where(df["prompt_tokens"] > 0)
-    return df[["num_requests", "prompt_tokens", "cached_tokens", "token_hit_rate", "request_hit_rate"]]
+    bound = prefix_bound(src.manifest)
+    for key in ("best_token_hit_rate", "best_block_hit_rate"):
+        df[key] = bound.get(key, math.nan)
+    return df[["num_requests", "prompt_tokens", "cached_tokens", "token_hit_rate", "request_hit_rate",
+               "best_token_hit_rate", "best_block_hit_rate"]]
 
 
 def tier_hits(src: Source) -> pd.DataFrame:
@@ -129,23 +175,77 @@ def transfers(src: Source) -> pd.DataFrame:
     return df
 
 
-def miss_cost(src: Source) -> pd.DataFrame:
-    """Rows ``hit`` and ``miss``: group, num_requests, mean_ttft_ms, mean_prompt_tokens,
-    mean_ttft_per_prompt_token_ms. Requests with a first token and a positive prompt length."""
+def hit_value(src: Source) -> pd.DataFrame:
+    """Rows ``hit`` and ``miss`` (module doc): num_requests, num_measured, mean_prompt_tokens, mean_cached_tokens,
+    lookup_ms, load_ms, prefill_ms (means per measured request), ms_per_prompt_token, saved_ms_per_hit (hit
+    row), and for context only mean_queue_ms and mean_ttft_ms. Requests with a positive prompt length."""
     c = col
+    lookup, load, prefill = (int(s) for s in _HIT_STAGES)
+    queue = int(Stage.SCHEDULE_QUEUE)
     df = src.df(f"""
-        SELECT CASE WHEN COALESCE({c.NUM_CACHED_TOKENS}, 0) > 0 THEN 'hit' ELSE 'miss' END AS "group",
-               COUNT(*) AS num_requests, AVG({TTFT_NS}) / 1e6 AS mean_ttft_ms,
-               AVG({c.NUM_PROMPT_TOKENS}) AS mean_prompt_tokens,
-               AVG({TTFT_NS} / {c.NUM_PROMPT_TOKENS}) / 1e6 AS mean_ttft_per_prompt_token_ms
-        FROM {request_table(src)} WHERE {TTFT_NS} IS NOT NULL AND {c.NUM_PROMPT_TOKENS} > 0
-        GROUP BY ALL
+        WITH per AS (
+            SELECT {c.REQUEST_ID},
+                   SUM(CASE WHEN {c.STAGE} = {lookup} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS lookup_ns,
+                   SUM(CASE WHEN {c.STAGE} = {load} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS load_ns,
+                   SUM(CASE WHEN {c.STAGE} = {prefill} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS prefill_ns,
+                   SUM(CASE WHEN {c.STAGE} = {queue} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS queue_ns,
+                   BOOL_OR({c.STAGE} IN ({lookup}, {load}, {prefill})) AS measured
+            FROM srv_spans GROUP BY {c.REQUEST_ID}
+        ), r AS (
+            SELECT CASE WHEN COALESCE(f.{c.NUM_CACHED_TOKENS}, 0) > 0 THEN 'hit' ELSE 'miss' END AS "group",
+                   f.{c.NUM_PROMPT_TOKENS} AS prompt, COALESCE(f.{c.NUM_CACHED_TOKENS}, 0) AS cached,
+                   f.{TTFT_NS} AS ttft, p.*
+            FROM {request_table(src)} f LEFT JOIN per p USING ({c.REQUEST_ID})
+            WHERE f.{c.NUM_PROMPT_TOKENS} > 0
+        )
+        SELECT "group", COUNT(*) AS num_requests, COUNT(*) FILTER (WHERE measured) AS num_measured,
+               AVG(prompt) AS mean_prompt_tokens, AVG(cached) AS mean_cached_tokens,
+               AVG(lookup_ns) FILTER (WHERE measured) / 1e6 AS lookup_ms,
+               AVG(load_ns) FILTER (WHERE measured) / 1e6 AS load_ms,
+               AVG(prefill_ns) FILTER (WHERE measured) / 1e6 AS prefill_ms,
+               SUM(lookup_ns + load_ns + prefill_ns) FILTER (WHERE measured)::DOUBLE
+                   / SUM(prompt) FILTER (WHERE measured) / 1e6 AS ms_per_prompt_token,
+               AVG(prompt) FILTER (WHERE measured) AS measured_prompt_tokens,
+               AVG(queue_ns) FILTER (WHERE measured) / 1e6 AS mean_queue_ms,
+               AVG(ttft) / 1e6 AS mean_ttft_ms
+        FROM r GROUP BY "group"
     """)
     base = pd.DataFrame({"group": ["hit", "miss"]})
-    return base.merge(df, on="group", how="left").assign(num_requests=lambda d: d["num_requests"].fillna(0)
-                                                         .astype("int64"))
+    out = base.merge(df, on="group", how="left")
+    out["num_requests"] = out["num_requests"].fillna(0).astype("int64")
+    out["num_measured"] = out["num_measured"].fillna(0).astype("int64")
+    per_token = out.set_index("group")["ms_per_prompt_token"]
+    hit = out["group"] == "hit"
+    hit_cost = out["lookup_ms"] + out["load_ms"] + out["prefill_ms"]
+    out["saved_ms_per_hit"] = (per_token.get("miss", math.nan) * out["measured_prompt_tokens"] - hit_cost).where(hit)
+    return out[["group", "num_requests", "num_measured", "mean_prompt_tokens", "mean_cached_tokens", "lookup_ms",
+                "load_ms", "prefill_ms", "ms_per_prompt_token", "saved_ms_per_hit", "mean_queue_ms", "mean_ttft_ms"]]
+
+
+def hit_rate_over_time(src: Source, *, window_s: float | None = None) -> pd.DataFrame:
+    """Per arrival window: window_start_s, num_requests, prompt_tokens, cached_tokens, token_hit_rate,
+    request_hit_rate. ``window_s`` defaults to a twentieth of the run (at least 1 ms)."""
+    if window_s is not None and not (isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+    c = col
+    b = run_bounds(src)
+    cols = ["window_start_s", "num_requests", "prompt_tokens", "cached_tokens", "token_hit_rate", "request_hit_rate"]
+    if b is None:
+        return pd.DataFrame(columns=cols)
+    w_ns = int(window_s * 1e9) if window_s else max(1_000_000, (b[1] - b[0]) // _NUM_WINDOWS)
+    df = src.df(f"""
+        SELECT FLOOR(({c.ARRIVAL_NS} - {b[0]}) / {w_ns}) * {w_ns / 1e9} AS window_start_s, COUNT(*) AS num_requests,
+               SUM({c.NUM_PROMPT_TOKENS})::BIGINT AS prompt_tokens,
+               SUM(COALESCE({c.NUM_CACHED_TOKENS}, 0))::BIGINT AS cached_tokens,
+               AVG(CASE WHEN COALESCE({c.NUM_CACHED_TOKENS}, 0) > 0 THEN 1.0 ELSE 0.0 END) AS request_hit_rate
+        FROM {request_table(src)} WHERE {c.NUM_PROMPT_TOKENS} > 0 AND {c.ARRIVAL_NS} IS NOT NULL
+        GROUP BY ALL ORDER BY window_start_s
+    """)
+    df["token_hit_rate"] = df["cached_tokens"] / df["prompt_tokens"].where(df["prompt_tokens"] > 0)
+    return df[cols]
 
 
 def cache(src: Source) -> CacheReport:
     """Every cache analysis."""
-    return CacheReport(prefix_hits(src), tier_hits(src), eviction_churn(src), transfers(src), miss_cost(src))
+    return CacheReport(prefix_hits(src), tier_hits(src), eviction_churn(src), transfers(src), hit_value(src),
+                       hit_rate_over_time(src))

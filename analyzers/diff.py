@@ -1,25 +1,36 @@
-"""Two runs compared per metric and stage, with bootstrap confidence intervals.
+"""Two runs compared per metric and stage: bootstrap intervals, p-values, minimum effects, ranking.
 
 Rows (``metric``, ``statistic``):
 
 * ``ttft``, ``tpot``, ``e2e`` (per request) and ``itl`` (per token) x ``mean``,
   ``p50``, ``p90``, ``p99`` (ms);
 * ``stage.<label>.ttft`` / ``stage.<label>.itl`` x ``mean``: the stage's time
-  per token 0 / per later token (ms), every stage and ``unattributed``.
+  per token 0 / per later token (ms; spans clipped to their token's interval, as
+  in the stage breakdown), every stage and ``unattributed``.
 
-delta = candidate - baseline; rel_change = delta / baseline. The confidence
-interval of delta is a percentile bootstrap: ``resamples`` times, each run's
-units are drawn with replacement (independently per run, one seeded generator)
-and the statistic recomputed; ci = the (1-confidence)/2 and (1+confidence)/2
-quantiles of the resampled deltas. Units are requests, except for ITL, where
-they are tokens. Stage means are ratio estimators over resampled requests (sum
-of stage time / number of tokens).
-To bound cost each run contributes at most ``max_units`` units (a seeded
-subsample beyond that).
+delta = candidate - baseline (ms). rel_change = delta / baseline, except from a
+near-zero baseline (|baseline| < ``min_effect_ms``), where a ratio means nothing:
+it is NaN there and only the absolute change counts. n_baseline / n_candidate:
+the sample sizes (requests; tokens for ITL).
 
-``significant`` = the interval excludes 0 and |rel_change| >= ``min_effect``;
-``regression`` = significant and delta > 0 (higher latency is worse). A run
-compared with itself has delta 0 and is never significant.
+The confidence interval of delta is a percentile bootstrap: ``resamples`` times,
+each run's units are drawn with replacement (independently per run, one seeded
+generator) and the statistic recomputed; ci = the (1-confidence)/2 and
+(1+confidence)/2 quantiles of the resampled deltas. Stage means are ratio
+estimators over resampled requests (sum of stage time / number of tokens).
+p_value: two-sided, delta over the bootstrap standard error of delta (normal
+approximation); p_adjusted: Holm's correction over every row of the table, so
+comparing ~60 rows does not flag a few by chance. To bound cost each run
+contributes at most ``max_units`` units (a seeded subsample beyond that).
+
+``significant`` = p_adjusted < 1 - ``confidence``, |delta| >= ``min_effect_ms``
+and (for a baseline that is not near zero) |rel_change| >= ``min_effect``.
+``regression`` = significant and delta > 0 (higher latency is worse).
+``contribution`` (stage rows): what the stage's change did to the latency people
+feel, delta / the baseline's mean TTFT (``.ttft``) or mean ITL (``.itl``); null on
+latency rows, whose rel_change says it. ``rank`` orders the stage regressions by
+contribution (1 = the largest): which stage to look at first, whatever moved most
+in relative terms. A run compared with itself has delta 0 and is never significant.
 """
 
 from __future__ import annotations
@@ -31,15 +42,17 @@ import numpy as np
 import pandas as pd
 
 from analyzers.source import Source
-from analyzers.stage_breakdown import ROW_OF_STAGE, STAGE_LABELS
+from analyzers.stage_breakdown import ROW_OF_STAGE, STAGE_LABELS, token_spans
+from analyzers.stats import holm, normal_p_value
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, token_times
 from tokentrace.schema import col
 
 __all__ = ["diff", "DIFF_COLUMNS", "STATISTICS"]
 
 STATISTICS: dict[str, float | None] = {"mean": None, "p50": 50.0, "p90": 90.0, "p99": 99.0}
-DIFF_COLUMNS = ["metric", "statistic", "baseline", "candidate", "delta", "rel_change", "ci_low", "ci_high",
-                "significant", "regression"]
+DIFF_COLUMNS = ["metric", "statistic", "n_baseline", "n_candidate", "baseline", "candidate", "delta",
+                "rel_change", "ci_low", "ci_high", "p_value", "p_adjusted", "contribution", "significant",
+                "regression", "rank"]
 _CHUNK = 50  # resamples per vectorised batch
 
 
@@ -58,10 +71,8 @@ def _samples(src: Source) -> _RunSamples:
                  f"FROM {rf} WHERE {TTFT_NS} IS NOT NULL ORDER BY {c.REQUEST_ID}")
     itl = src.df(f"SELECT {LATENCY} / 1e6 AS v FROM {tt} WHERE {c.TOKEN_INDEX} > 0")["v"].to_numpy(float)
     per = src.df(f"""
-        SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX} = 0 AS first, s.{c.STAGE} AS stage,
-               SUM(s.{c.END_NS} - s.{c.START_NS}) / 1e6 AS ms
-        FROM srv_spans s JOIN {tt} t ON s.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
-        GROUP BY ALL
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, {c.STAGE} AS stage, SUM(ns) / 1e6 AS ms
+        FROM {token_spans(src)} GROUP BY ALL
     """)
     tok = src.df(f"""SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, COUNT(*) AS n, SUM({LATENCY}) / 1e6 AS ms
                      FROM {tt} GROUP BY ALL""")
@@ -111,32 +122,58 @@ def _cap(x: np.ndarray, max_units: int, rng: np.random.Generator) -> np.ndarray:
     return x if x.shape[0] <= max_units else x[rng.choice(x.shape[0], max_units, replace=False)]
 
 
-def _row(metric: str, statistic: str, b: float, c: float, bb: np.ndarray, cb: np.ndarray,
-         confidence: float, min_effect: float) -> dict:
-    delta = c - b
-    rel = delta / b if b else (0.0 if delta == 0 else math.nan)
+def _row(metric: str, statistic: str, sizes: tuple[int, int], b: float, c: float, bb: np.ndarray, cb: np.ndarray,
+         confidence: float) -> dict:
+    """A row's values, interval and p-value; significance is decided over the whole table (:func:`_judge`)."""
     d = cb - bb
     d = d[np.isfinite(d)]
     lo, hi = (np.quantile(d, [(1 - confidence) / 2, (1 + confidence) / 2]) if d.size else (math.nan, math.nan))
-    sig = bool(d.size and (lo > 0 or hi < 0) and math.isfinite(rel) and abs(rel) >= min_effect)
-    return {"metric": metric, "statistic": statistic, "baseline": b, "candidate": c, "delta": delta,
-            "rel_change": rel, "ci_low": float(lo), "ci_high": float(hi), "significant": sig,
-            "regression": bool(sig and delta > 0)}
+    delta = c - b
+    p = normal_p_value(delta, float(np.std(d, ddof=1))) if d.size > 1 else math.nan
+    return {"metric": metric, "statistic": statistic, "n_baseline": sizes[0], "n_candidate": sizes[1],
+            "baseline": b, "candidate": c, "delta": delta, "rel_change": math.nan, "ci_low": float(lo),
+            "ci_high": float(hi), "p_value": p}
+
+
+def _judge(df: pd.DataFrame, *, confidence: float, min_effect: float, min_effect_ms: float) -> pd.DataFrame:
+    """Relative change, Holm-adjusted p-values, significance, contribution and rank of every row."""
+    base = df["baseline"].to_numpy(float)
+    delta = df["delta"].to_numpy(float)
+    near_zero = np.abs(base) < min_effect_ms
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df["rel_change"] = np.where(near_zero, math.nan, delta / base)
+    df["p_adjusted"] = holm(df["p_value"].to_numpy(float))
+    rel_ok = near_zero | (np.abs(df["rel_change"].to_numpy(float)) >= min_effect)
+    df["significant"] = ((df["p_adjusted"].to_numpy(float) < 1 - confidence) & (np.abs(delta) >= min_effect_ms)
+                         & rel_ok)
+    df["regression"] = df["significant"] & (delta > 0)
+    means = {m: float(df.loc[(df["metric"] == m) & (df["statistic"] == "mean"), "baseline"].iloc[0])
+             for m in ("ttft", "itl") if ((df["metric"] == m) & (df["statistic"] == "mean")).any()}
+    kind = df["metric"].str.rsplit(".", n=1).str[-1]
+    stage = df["metric"].str.startswith("stage.")
+    scale = kind.map(means).astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df["contribution"] = np.where(stage, delta / scale.where(scale > 0).to_numpy(float), math.nan)
+    order = df[df["regression"] & stage].sort_values("contribution", ascending=False, na_position="last",
+                                                     kind="stable")
+    df["rank"] = pd.Series(range(1, len(order) + 1), index=order.index, dtype="Int64").reindex(df.index)
+    return df
 
 
 def diff(baseline: Source, candidate: Source, *, resamples: int = 1000, seed: int = 0, min_effect: float = 0.02,
-         confidence: float = 0.95, max_units: int = 20_000) -> pd.DataFrame:
-    """Per metric and stage: baseline, candidate, delta, rel_change, bootstrap CI, significant, regression.
+         min_effect_ms: float = 0.1, confidence: float = 0.95, max_units: int = 20_000) -> pd.DataFrame:
+    """Per metric and stage: sample sizes, values, delta, rel_change, bootstrap CI, p-values, significance,
+    contribution and the rank of each regression (module doc).
 
-    ``ValueError`` for resamples < 10, confidence outside (0, 1), negative min_effect or max_units < 2.
+    ``ValueError`` for resamples < 10, confidence outside (0, 1), a negative minimum effect or max_units < 2.
     Metrics with no samples in either run are left out.
     """
     if resamples < 10:
         raise ValueError(f"resamples must be at least 10, got {resamples!r}")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    if min_effect < 0 or max_units < 2:
-        raise ValueError("min_effect must be >= 0 and max_units >= 2")
+    if min_effect < 0 or min_effect_ms < 0 or max_units < 2:
+        raise ValueError("min_effect and min_effect_ms must be >= 0 and max_units >= 2")
     rng = np.random.default_rng(seed)
     b, c = _samples(baseline), _samples(candidate)
     rows = []
@@ -148,9 +185,8 @@ def diff(baseline: Source, candidate: Source, *, resamples: int = 1000, seed: in
             continue
         xb, xc = _cap(xb, max_units, rng), _cap(xc, max_units, rng)
         for name, q in STATISTICS.items():
-            rows.append(_row(metric, name, float(_stat(xb, q)), float(_stat(xc, q)),
-                             _boot_values(xb, q, rng, resamples), _boot_values(xc, q, rng, resamples),
-                             confidence, min_effect))
+            rows.append(_row(metric, name, (xb.size, xc.size), float(_stat(xb, q)), float(_stat(xc, q)),
+                             _boot_values(xb, q, rng, resamples), _boot_values(xc, q, rng, resamples), confidence))
     for kind in ("ttft", "itl"):
         sb, nb, sc, nc = b.stage_sum[kind], b.stage_count[kind], c.stage_sum[kind], c.stage_count[kind]
         if nb.sum() <= 0 or nc.sum() <= 0:
@@ -160,8 +196,13 @@ def diff(baseline: Source, candidate: Source, *, resamples: int = 1000, seed: in
         sb, nb, sc, nc = sb[keep_b], nb[keep_b], sc[keep_c], nc[keep_c]
         bb, cb = _boot_ratio(sb, nb, rng, resamples), _boot_ratio(sc, nc, rng, resamples)
         vb, vc = sb.sum(axis=0) / nb.sum(), sc.sum(axis=0) / nc.sum()
+        sizes = (int((nb > 0).sum()), int((nc > 0).sum()))
         for j, label in enumerate(STAGE_LABELS):
-            rows.append(_row(f"stage.{label}.{kind}", "mean", float(vb[j]), float(vc[j]), bb[:, j], cb[:, j],
-                             confidence, min_effect))
-    return pd.DataFrame(rows, columns=DIFF_COLUMNS)
-
+            rows.append(_row(f"stage.{label}.{kind}", "mean", sizes, float(vb[j]), float(vc[j]), bb[:, j], cb[:, j],
+                             confidence))
+    df = pd.DataFrame(rows, columns=[k for k in DIFF_COLUMNS if k not in ("p_adjusted", "contribution", "significant",
+                                                                        "regression", "rank")])
+    if df.empty:
+        return pd.DataFrame(columns=DIFF_COLUMNS)
+    df = _judge(df, confidence=confidence, min_effect=min_effect, min_effect_ms=min_effect_ms)
+    return df[DIFF_COLUMNS]

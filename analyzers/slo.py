@@ -8,10 +8,20 @@ order: the ``targets`` argument; the run manifest's config
 500 ms, TPOT 100 ms; batch: TTFT 30 s, TPOT 1 s). A class with no target of its
 own gets the interactive one.
 
-A request *meets its SLO* when TTFT <= the TTFT target and TPOT <= the TPOT
-target (a one-token request has no TPOT and meets that half). A request that
-never produced a token meets neither. Every server-side request with an arrival
-time counts in the denominator.
+A request *meets its SLO* when it was served (status ok), TTFT <= the TTFT
+target and TPOT <= the TPOT target (a request of one output token has no TPOT
+and meets that half). An errored, aborted, timed-out (cut off) or rejected
+request is never good, whatever its tokens. Every server-side request with an
+arrival time is counted.
+
+What the run did not measure is *not measured*, never met: a served request
+whose first token was not recorded has no TTFT verdict, and one of more than
+one output token (by its request row or its delivered tokens) with fewer than
+two delivered tokens has no TPOT verdict (e.g. OTLP spans without per-token
+events). Attainment = met / judged, where judged = failed requests + served
+requests with the metric measured; it is NaN (not measured) when the class has
+served requests and none of them has the metric measured. ``attainment`` (both
+targets) needs both.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import pandas as pd
 from analyzers.groups import ALL
 from analyzers.source import Source
 from analyzers.timing import TOKEN_END, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
-from tokentrace.schema import col
+from tokentrace.schema import RequestStatus, col
 
 __all__ = ["SloTargets", "DEFAULT_TARGETS", "resolve_targets", "request_slo", "slo_attainment", "goodput",
            "fluidity", "request_fluidity", "DEFAULT_TARGET_SHARE"]
@@ -99,17 +109,54 @@ def resolve_targets(src: Source, classes: list[str],
 
 
 def request_slo(src: Source, targets: Mapping[str, SloTargets] | None = None) -> pd.DataFrame:
-    """One row per request: request_id, slo_class_name, arrival_ns, ttft_ms, tpot_ms, ttft_ok, tpot_ok, ok."""
+    """One row per request: request_id, slo_class_name, arrival_ns, ttft_ms, tpot_ms, failed, ttft_ok,
+    tpot_ok, ok. The verdicts are True, False or None (not measured); see the module doc."""
     c = col
-    f = src.df(f"""SELECT {c.REQUEST_ID}, {c.SLO_CLASS}, {c.ARRIVAL_NS}, {TTFT_NS} / 1e6 AS ttft_ms,
-                   {TPOT_NS} / 1e6 AS tpot_ms FROM {request_table(src)} WHERE {c.ARRIVAL_NS} IS NOT NULL""")
+    f = src.df(f"""
+        WITH reported AS (SELECT {c.REQUEST_ID}, MAX({c.NUM_OUTPUT_TOKENS}) AS reported FROM srv_requests
+                          GROUP BY {c.REQUEST_ID})
+        SELECT f.{c.REQUEST_ID}, f.{c.SLO_CLASS}, f.{c.ARRIVAL_NS}, f.{TTFT_NS} / 1e6 AS ttft_ms,
+               f.{TPOT_NS} / 1e6 AS tpot_ms, COALESCE(f.{c.STATUS}, {int(RequestStatus.OK)}) AS status,
+               GREATEST(COALESCE(r.reported, 0), f.{c.NUM_OUTPUT_TOKENS}) AS num_tokens
+        FROM {request_table(src)} f LEFT JOIN reported r USING ({c.REQUEST_ID})
+        WHERE f.{c.ARRIVAL_NS} IS NOT NULL ORDER BY f.{c.ARRIVAL_NS}, f.{c.REQUEST_ID}
+    """)
     tg = resolve_targets(src, sorted(f[c.SLO_CLASS].unique().tolist()), targets)
     ttft_t = f[c.SLO_CLASS].map(lambda k: tg[k].ttft_ms).astype(float)
     tpot_t = f[c.SLO_CLASS].map(lambda k: tg[k].tpot_ms).astype(float)
-    f["ttft_ok"] = (f["ttft_ms"] <= ttft_t).fillna(False).astype(bool)
-    f["tpot_ok"] = (f["tpot_ms"].isna() & f["ttft_ms"].notna()) | (f["tpot_ms"] <= tpot_t).fillna(False)
-    f["ok"] = f["ttft_ok"] & f["tpot_ok"]
-    return f
+    failed = (f["status"] != int(RequestStatus.OK)).to_numpy()
+    ttft_ok = np.where(failed, False, np.where(f["ttft_ms"].isna(), None, f["ttft_ms"] <= ttft_t))
+    one_token = (f["num_tokens"] <= 1).to_numpy()
+    tpot_ok = np.where(failed, False, np.where(one_token, True,
+                                               np.where(f["tpot_ms"].isna(), None, f["tpot_ms"] <= tpot_t)))
+    f["failed"] = failed
+    f["ttft_ok"] = pd.Series(ttft_ok, index=f.index, dtype=object)
+    f["tpot_ok"] = pd.Series(tpot_ok, index=f.index, dtype=object)
+    f["ok"] = [_both(a, b) for a, b in zip(f["ttft_ok"], f["tpot_ok"])]
+    f["ok"] = f["ok"].astype(object)
+    return f.drop(columns=["status", "num_tokens"])
+
+
+def _both(ttft_ok: object, tpot_ok: object) -> object:
+    """Both targets met: False as soon as one is missed, None when one is not measured."""
+    if ttft_ok is False or tpot_ok is False:
+        return False
+    if ttft_ok is None or tpot_ok is None:
+        return None
+    return True
+
+
+def _judge(g: pd.DataFrame, column: str) -> tuple[int, float]:
+    """(served requests with ``column`` measured, share met among judged requests; NaN if not measured)."""
+    verdict = g[column]
+    served = ~g["failed"].astype(bool)
+    measured = int((served & verdict.notna()).sum())
+    if served.any() and measured == 0:
+        return 0, math.nan
+    judged = verdict.notna()
+    if not judged.any():
+        return measured, math.nan
+    return measured, float((verdict[judged] == True).mean())  # noqa: E712 - object column of True/False
 
 
 def _class_frames(f: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -121,22 +168,23 @@ def slo_attainment(src: Source, *, targets: Mapping[str, SloTargets] | None = No
     """Share of requests meeting TTFT, TPOT and both, per SLO class and over all (``"*"``).
 
     Columns: slo_class_name, ttft_target_ms, tpot_target_ms (NaN on the ``*``
-    row), num_requests, ttft_attainment, tpot_attainment, attainment.
+    row), num_requests, num_failed (not served: error, aborted, timeout,
+    rejected), num_ttft_measured, num_tpot_measured (served requests with a
+    verdict), ttft_attainment, tpot_attainment, attainment (NaN: not measured).
     """
     f = request_slo(src, targets)
     tg = resolve_targets(src, sorted(f[col.SLO_CLASS].unique().tolist()), targets)
     rows = []
     for name, g in _class_frames(f):
         t = tg.get(name)
+        n_ttft, ttft = _judge(g, "ttft_ok")
+        n_tpot, tpot = _judge(g, "tpot_ok")
+        _, both = _judge(g, "ok")
         rows.append({col.SLO_CLASS: name, "ttft_target_ms": t.ttft_ms if t else math.nan,
                      "tpot_target_ms": t.tpot_ms if t else math.nan, "num_requests": len(g),
-                     "ttft_attainment": _mean(g["ttft_ok"]), "tpot_attainment": _mean(g["tpot_ok"]),
-                     "attainment": _mean(g["ok"])})
+                     "num_failed": int(g["failed"].sum()), "num_ttft_measured": n_ttft, "num_tpot_measured": n_tpot,
+                     "ttft_attainment": ttft, "tpot_attainment": tpot, "attainment": both})
     return pd.DataFrame(rows)
-
-
-def _mean(s: pd.Series) -> float:
-    return float(s.mean()) if len(s) else math.nan
 
 
 def goodput(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
@@ -154,7 +202,9 @@ def goodput(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
 
     Columns: slo_class_name, duration_s, num_requests, num_good,
     request_rate_rps, goodput_rps, attainment, meets_target,
-    attainment_constrained_rate_rps.
+    attainment_constrained_rate_rps. Failed requests are never good; when
+    attainment is not measured (see the module doc) num_good, goodput_rps and
+    meets_target are null, never 0 or "met".
     """
     if not 0 < target_share <= 1:
         raise ValueError(f"target_share must be in (0, 1], got {target_share!r}")
@@ -166,15 +216,19 @@ def goodput(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
     window_ns = int(window_s * 1e9) if window_s else max(1, duration_ns // 10)
     rows = []
     for name, g in _class_frames(f):
-        n, good = len(g), int(g["ok"].sum())
+        n = len(g)
+        _, attain = _judge(g, "ok")
+        measured = not math.isnan(attain)
+        good = int((g["ok"] == True).sum()) if measured else None  # noqa: E712 - object column
         dur_s = duration_ns / 1e9
-        attain = good / n if n else math.nan
+        judged = g[g["ok"].notna()]
         rows.append({col.SLO_CLASS: name, "duration_s": dur_s, "num_requests": n, "num_good": good,
                      "request_rate_rps": n / dur_s if dur_s > 0 else math.nan,
-                     "goodput_rps": good / dur_s if dur_s > 0 else math.nan,
-                     "attainment": attain, "meets_target": bool(n and attain >= target_share),
+                     "goodput_rps": good / dur_s if measured and dur_s > 0 else math.nan,
+                     "attainment": attain, "meets_target": bool(attain >= target_share) if measured else None,
                      "attainment_constrained_rate_rps":
-                         _constrained_rate(g, bounds, window_ns, target_share) if bounds else math.nan})
+                         _constrained_rate(judged, bounds, window_ns, target_share) if bounds and measured
+                         else math.nan})
     return pd.DataFrame(rows)
 
 
@@ -187,7 +241,7 @@ def _constrained_rate(g: pd.DataFrame, bounds: tuple[int, int], window_ns: int, 
     num_windows = max(1, int(math.ceil((end - start) / window_ns)))
     lengths_s = np.array([min(window_ns, end - (start + i * window_ns)) for i in range(num_windows)]) / 1e9
     counts = np.bincount(k, minlength=num_windows)[:num_windows]
-    goods = np.bincount(k, weights=g["ok"].to_numpy(float), minlength=num_windows)[:num_windows]
+    goods = np.bincount(k, weights=(g["ok"] == True).to_numpy(float), minlength=num_windows)[:num_windows]  # noqa: E712
     keep = (counts > 0) & (lengths_s > 0)
     rates, counts, goods = counts[keep] / lengths_s[keep], counts[keep], goods[keep]
     order = np.argsort(rates, kind="stable")
@@ -247,14 +301,29 @@ def fluidity(src: Source, *, targets: Mapping[str, SloTargets] | None = None) ->
     Columns: slo_class_name, num_requests, num_deadlines, num_missed,
     fluidity_index (met / all deadlines, pooled over tokens),
     mean_request_fluidity, p10_request_fluidity (the unsmoothest 10% of requests).
+    NaN (not measured) for a class whose requests reported more than one output
+    token but have no delivered token after the first.
     """
     per = request_fluidity(src, targets=targets)
+    streamed = _streamed_requests(src)
     rows = []
     for name, g in _class_frames(per):
         d, m = int(g["num_deadlines"].sum()), int(g["num_missed"].sum())
         v = g["fluidity_index"].to_numpy(float)
+        # Requests of several output tokens whose later tokens were never recorded: not measured.
+        unmeasured = bool(len(g)) and not (g["num_deadlines"] > 1).any() and g[col.REQUEST_ID].isin(streamed).any()
+        if unmeasured:
+            d = m = 0
+            v = np.empty(0)
         rows.append({col.SLO_CLASS: name, "num_requests": len(g), "num_deadlines": d, "num_missed": m,
                      "fluidity_index": 1 - m / d if d else math.nan,
                      "mean_request_fluidity": float(v.mean()) if v.size else math.nan,
                      "p10_request_fluidity": float(np.percentile(v, 10)) if v.size else math.nan})
     return pd.DataFrame(rows)
+
+
+def _streamed_requests(src: Source) -> set:
+    """Ids of requests whose request row reports more than one output token."""
+    c = col
+    ids = src.df(f"SELECT DISTINCT {c.REQUEST_ID} FROM srv_requests WHERE {c.NUM_OUTPUT_TOKENS} > 1")
+    return set(ids[c.REQUEST_ID].tolist())

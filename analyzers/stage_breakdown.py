@@ -3,7 +3,9 @@
 For every output token (intervals as in :mod:`analyzers.timing`) the stage time
 is the sum of the durations of its spans (``spans.token_index`` = the token),
 each clipped to the token's interval (:func:`token_spans`);
-``unattributed`` = token latency - stage time, so shares always add up to 1.
+``unattributed`` = token latency - stage time (signed, never floored), so shares
+always add up to 1; time two stages both claim is reported apart, as overlap
+(:mod:`analyzers.attribution`).
 
 * ``ttft_share(s)``  = sum over requests of s's time in token 0 / sum of TTFTs.
 * ``itl_share(s)``   = the same over tokens i >= 1 and their ITLs.
@@ -23,6 +25,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from analyzers.attribution import unattributed_share as signed_unattributed_share
 from analyzers.groups import group_column, group_sql
 from analyzers.source import Source
 from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, request_table, run_bounds, token_intervals, token_times
@@ -160,20 +163,14 @@ def _assemble(tot: pd.DataFrame, per: pd.DataFrame) -> pd.DataFrame:
 
 
 def unattributed(src: Source) -> float:
-    """Unattributed time over total token latency (0..1): the attribution invariant's gauge.
+    """Unattributed time over total token latency, signed: the attribution invariant's gauge.
 
-    Per token, max(0, latency - stage time), summed, over the sum of token latencies; 0 with no tokens.
+    Summed over tokens, latency minus stage time (no token is floored at 0: stages
+    that claim more than a token's time make it negative), over the sum of token
+    latencies; 0 with no tokens. Double-counted time is its own figure:
+    :func:`analyzers.attribution.overlap_share`.
     """
-    c = col
-    total, missing = src.con.execute(f"""
-        WITH st AS (
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(ns) AS ns
-            FROM {token_spans(src)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-        )
-        SELECT SUM(t.{LATENCY})::DOUBLE, SUM(GREATEST(t.{LATENCY} - COALESCE(st.ns, 0), 0))::DOUBLE
-        FROM {token_times(src)} t LEFT JOIN st USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
-    """).fetchone()
-    return float(missing / total) if total and total > 0 else 0.0
+    return signed_unattributed_share(src)
 
 
 def token_stage_times(spans: pa.Table, requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:

@@ -12,14 +12,7 @@
   (weights from the argument, else the manifest's
   ``config["tenants"][name]["weight"]``, else 1). J = 1 when every tenant got
   the same weighted amount, 1/n when one tenant got everything.
-* Noisy neighbours: the run is cut into arrival windows (``window_s``, default
-  a twentieth of the run). For tenant A, z_A(w) = (arrivals of A in w - mean) /
-  std over all windows. For tenant B, p99_B(w) = p99 TTFT of B's requests
-  arriving in w. For every ordered pair (A, B), A != B, over the windows where
-  B has requests: correlation = Pearson(z_A, p99_B); burst windows = z_A >=
-  ``z_threshold``. Flagged when correlation >= ``min_correlation``, there is at
-  least one burst window, and B's p99 TTFT over burst windows exceeds that over
-  the other windows.
+* Noisy neighbours: :mod:`analyzers.neighbours` (re-exported here).
 """
 
 from __future__ import annotations
@@ -32,8 +25,9 @@ import numpy as np
 import pandas as pd
 
 from analyzers.latency import latency
+from analyzers.neighbours import noisy_neighbours
 from analyzers.source import Source
-from analyzers.timing import TTFT_NS, request_table, run_bounds
+from analyzers.timing import request_table
 from tokentrace.schema import Stage, col
 
 __all__ = ["TenantReport", "tenant_shares", "jain_index", "fairness", "noisy_neighbours", "tenants"]
@@ -126,61 +120,6 @@ def fairness(shares: pd.DataFrame) -> pd.DataFrame:
         x = (shares[column] / shares["weight"]).to_numpy(float) if len(shares) else np.empty(0)
         rows.append({"basis": basis, "jain_index": jain_index(x)})
     return pd.DataFrame(rows)
-
-
-def noisy_neighbours(src: Source, *, window_s: float | None = None, z_threshold: float = 2.0,
-                     min_correlation: float = 0.5) -> pd.DataFrame:
-    """Tenant pairs whose bursts line up with the other's TTFT tail (module doc).
-
-    Columns: aggressor, victim, num_windows, num_burst_windows, correlation,
-    victim_p99_burst_ms, victim_p99_normal_ms, flagged.
-    """
-    cols = ["aggressor", "victim", "num_windows", "num_burst_windows", "correlation",
-            "victim_p99_burst_ms", "victim_p99_normal_ms", "flagged"]
-    if window_s is not None and not (math.isfinite(window_s) and window_s > 0):
-        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
-    c = col
-    bounds = run_bounds(src)
-    req = src.df(f"SELECT {c.TENANT}, {c.ARRIVAL_NS}, {TTFT_NS} / 1e6 AS ttft_ms FROM {request_table(src)} "
-                 f"WHERE {c.ARRIVAL_NS} IS NOT NULL")
-    names = sorted(req[c.TENANT].unique().tolist())
-    if bounds is None or len(names) < 2:
-        return pd.DataFrame(columns=cols)
-    w_ns = int(window_s * 1e9) if window_s else max(1, (bounds[1] - bounds[0]) // 20)
-    num_w = max(1, int(math.ceil((bounds[1] - bounds[0] + 1) / w_ns)))
-    req["w"] = (req[c.ARRIVAL_NS] - bounds[0]) // w_ns
-    counts = req.pivot_table(index="w", columns=c.TENANT, values=c.ARRIVAL_NS, aggfunc="count")
-    counts = counts.reindex(index=range(num_w), columns=names).fillna(0)
-    std = counts.std(ddof=0).replace(0, np.nan)
-    z = ((counts - counts.mean()) / std).fillna(0)
-    rows = []
-    for victim in names:
-        mine = req[(req[c.TENANT] == victim) & req["ttft_ms"].notna()]
-        p99 = mine.groupby("w")["ttft_ms"].quantile(0.99)
-        for aggressor in names:
-            if aggressor == victim:
-                continue
-            za = z[aggressor].reindex(p99.index).to_numpy(float)
-            burst_w = p99.index[za >= z_threshold]
-            corr = _pearson(za, p99.to_numpy(float))
-            in_burst = mine["w"].isin(burst_w)
-            hi = _p99(mine.loc[in_burst, "ttft_ms"])
-            lo = _p99(mine.loc[~in_burst, "ttft_ms"])
-            flagged = bool(len(burst_w) >= 1 and corr >= min_correlation and hi > lo)
-            rows.append({"aggressor": aggressor, "victim": victim, "num_windows": len(p99),
-                         "num_burst_windows": len(burst_w), "correlation": corr,
-                         "victim_p99_burst_ms": hi, "victim_p99_normal_ms": lo, "flagged": flagged})
-    return pd.DataFrame(rows, columns=cols)
-
-
-def _pearson(a: np.ndarray, b: np.ndarray) -> float:
-    if a.size < 3 or np.std(a) == 0 or np.std(b) == 0:
-        return math.nan
-    return float(np.corrcoef(a, b)[0, 1])
-
-
-def _p99(v: pd.Series) -> float:
-    return float(np.percentile(v.to_numpy(float), 99)) if len(v) else math.nan
 
 
 def tenants(src: Source, *, weights: Mapping[str, float] | None = None) -> TenantReport:

@@ -293,7 +293,8 @@ def series_window_s(duration_ns: int) -> int:
 def warm_calls(info: RunInfo) -> list[tuple[str, dict[str, Hashable]]]:
     """The analyzer calls the views make for a run by default (what warming computes ahead)."""
     return [
-        ("latency", {}), ("latency", {"window_s": series_window_s(info.duration_ns)}), ("slo", {}), ("goodput", {}),
+        ("load", {}), ("latency", {}), ("latency", {"window_s": series_window_s(info.duration_ns)}), ("slo", {}),
+        ("goodput", {}), ("attribution", {}),
         ("stage_breakdown", {"by": None}), ("stage_breakdown", {"by": "tenant"}),
         ("stage_breakdown", {"by": "slo_class"}), ("critical_path", {}), ("queues", {}), ("cache", {}),
         ("pd_ratio", {}), ("batch", {}), ("interference", {}), ("tenants", {}), ("noisy_neighbours", {}),

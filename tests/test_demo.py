@@ -103,7 +103,10 @@ def test_the_report_is_printed(demo):
         assert f"[{step}/6]" in text
     for title in ("Latency (server view)", "Where the time went", "Client and server agreement", "Checks"):
         assert title in text
-    assert "unattributed time:" in text and "ITL server - client" in text
+    assert "unattributed time:" in text and "overlap" in text and "ITL server - client" in text
+    verdict = result.report.headline[0]  # the load verdict comes first, as in `tokentrace report`
+    assert verdict.split(":")[0] in ("SATURATED", "Not saturated", "Load not judged"), verdict
+    assert text.index(verdict[:40]) < text.index("Latency (server view)")
     assert str(result.run_path) in text
     assert f"tokentrace dashboard {store} --port 8050" in text  # --no-dashboard: the command to run instead
     assert result.report.metrics["ttft.p50"] > 0

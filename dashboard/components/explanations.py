@@ -5,14 +5,23 @@ from __future__ import annotations
 __all__ = ["EXPLAIN"]
 
 EXPLAIN: dict[str, str] = {
+    "load": "Offered load: arrivals per second over the arrival window (first to last arrival, no drain). Served "
+            "load: completions per second. Saturated: arrivals outran service (offered at least 10% above served) "
+            "with a queue growing, a pool near 100% busy or waiting time growing through the run; the pool named "
+            "is the one whose queue grew. Not judged under 10 requests.",
     "latency": "TTFT: arrival to first token delivered. ITL: time between consecutive tokens. "
                "E2E: arrival to finish. Percentiles over requests (ITL: over tokens), server view.",
     "latency_series": "The same percentiles per time window of arrival, so a bad minute stands out.",
     "slo": "Share of requests of each SLO class that met their TTFT target, their TPOT target, and both.",
-    "goodput": "Goodput (DistServe): completed requests that met both SLO targets, per second of run.",
+    "goodput": "Goodput (DistServe): completed requests that met both SLO targets, per second of run. Failed "
+               "requests are never good; a target the run did not measure (TPOT without per-token data) is "
+               "shown as not measured, never as met.",
     "counters": "Events the recorder dropped (memory bound) or sampled out: the analyses below miss them.",
     "breakdown": "Share of TTFT and of ITL spent in each stage (shares add up to 1, including unattributed "
-                 "time). Mean: over all tokens; tail: over the slowest 1% of tokens.",
+                 "time). Mean: over all tokens; tail: over the slowest 1% of tokens. Stages under 0.01% in every "
+                 "column are named below the charts instead of drawn.",
+    "attribution": "Unattributed: token latency minus the stages' time, signed (negative when stages claim more "
+                   "than the token's time). Overlap: time two stages both claim. Each should stay under 1%.",
     "critical_path": "The stages of the first token in order, with their mean duration, for the median and "
                      "the p99 request: what a slow first token waited on.",
     "explorer": "The slowest {n:,} requests of the run, slowest first (filter and sort them here). Pick one to see its waterfall: each stage as a bar on the "
@@ -25,12 +34,18 @@ EXPLAIN: dict[str, str] = {
     "cache_tiers": "Lookups that hit in each KV tier and their share of the hit blocks.",
     "cache_churn": "Blocks evicted per second and how many evicted blocks were loaded back (reload ratio).",
     "cache_transfers": "Bytes and time spent swapping, offloading, loading and prefetching KV blocks.",
-    "cache_miss_cost": "Mean TTFT of requests with and without a prefix hit, per prompt token: what a miss costs.",
+    "cache_hit_value": "What a hit saves, on the stages it changes: cache lookup, cache load and prefill time per "
+                       "prompt token, for requests that hit against requests that missed. Queueing is left out: "
+                       "it depends on when a request arrived, not on the cache.",
+    "cache_hit_rate_time": "Token hit rate per arrival window; the dashed line is the best achievable hit rate "
+                           "of the replayed trace (an unbounded cache, from its block hashes) when the run has it.",
     "pd_utilisation": "Per instance: share of wall time spent in steps with prefill work and with decode work.",
     "pd_watermarks": "Highest and 95th-percentile queue lengths per instance.",
     "pd_kv": "Time spent moving KV blocks from prefill to decode instances, as a share of TTFT and ITL.",
-    "pd_recommendation": "Prefill:decode instance ratio the measured workload needs: the prefill (decode) token "
-                         "rate required divided by what one instance sustains.",
+    "pd_recommendation": "Whole instances per pool for the offered load (arrivals over the arrival window): the "
+                         "prefill (decode) tokens per second it needs over what one instance does per busy second, "
+                         "at most 80% busy, and for prefill within the TTFT target (an M/M/1 queue's wait). Decode "
+                         "work counts decode tokens only: token 0 is produced by the prefill pass.",
     "batch": "Decode step time and ITL by batch size: how much each extra sequence in a batch costs.",
     "interference": "For the slowest 1% of decode tokens against median ones: the batch they shared and the "
                     "other requests' prefill tokens in their step.",
@@ -38,7 +53,12 @@ EXPLAIN: dict[str, str] = {
     "tenant_shares": "Each tenant's share of requests, tokens and compute time (steps split by token share).",
     "jain": "Jain's fairness index J = (sum x)^2 / (n * sum x^2) of per-tenant shares (weight-normalised): "
             "1 is perfectly fair, 1/n means one tenant took everything.",
-    "noisy": "Tenant pairs where one tenant's bursts of arrivals coincide with the other's p99 TTFT rising.",
-    "compare": "Candidate against baseline: each metric's change with a bootstrap 95% confidence interval. "
-               "Rows in red are significant regressions (the interval excludes 0 and the change is at least 2%).",
+    "noisy": "Every tenant pair: the victim's TTFT in the aggressor's arrival bursts against the victim's own "
+             "trend (a queue slowing everyone is not a neighbour), with sample sizes and a permutation p-value "
+             "(Holm-adjusted). Judged with at least 10 windows, 2 bursts and 5 victim requests in them; flagged "
+             "(red) at p < 0.05 with at least 5 ms and 10% more TTFT.",
+    "compare": "Candidate against baseline: each metric's change with a bootstrap 95% confidence interval, its "
+               "p-value (Holm-adjusted over every row) and sample sizes. Significant: adjusted p < 0.05, at least "
+               "0.1 ms and, unless the baseline is near zero, at least 2%. Regressions (red) are ranked by their "
+               "contribution to mean TTFT and ITL.",
 }

@@ -10,10 +10,12 @@ import plotly.graph_objects as go
 
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
-from dashboard.components.figures import explained, graph_or_notice
-from dashboard.components.shell import GROUP_COLUMN, ViewQuery, live_callback, page
+from dashboard.components.figures import explained, graph_or_notice, kpis
+from dashboard.components.shell import GROUP_COLUMN, ViewQuery, live_callback, notice, page
 from dashboard.components.waterfall import stage_color
 from dashboard.data import DataSource
+from tokentrace.report.headline import attribution_sentence, hidden_stages_sentence
+from tokentrace.report.sections import hidden_stages
 
 PATH = "/breakdown"
 dash.register_page(__name__, path=PATH, name="Breakdown", title="tokentrace · breakdown")
@@ -45,6 +47,21 @@ def stacked_shares(frame: pd.DataFrame, kind: str, group: str | None, title: str
     return fig
 
 
+def _attribution(frame: pd.DataFrame) -> Any:
+    """KPI cards: unattributed (signed) and overlap shares of TTFT and ITL, and the sentence."""
+    if len(frame) == 0 or frame["latency_ms"].sum() == 0:
+        return notice("No token latency in this run: nothing to attribute.")
+    a = frame.set_index("kind")
+    cards = []
+    for kind in ("ttft", "itl"):
+        for column, label in (("unattributed_share", "unattributed"), ("overlap_share", "overlap")):
+            value = a.loc[kind, column] if kind in a.index else float("nan")
+            sign = "+" if column == "unattributed_share" else ""  # unattributed is signed; overlap is >= 0
+            cards.append((f"{kind.upper()} {label}", "—" if pd.isna(value) else f"{value * 100:{sign}.3f}%"))
+    return dash.html.Div([kpis(cards, kpi_id="breakdown-attribution"),
+                          dash.html.P(attribution_sentence(frame), className="tt-explain")])
+
+
 def critical_path_figure(frame: pd.DataFrame) -> go.Figure:
     """Horizontal stacked bars (p50 and p99 request): the stages of token 0 in order, mean ms each."""
     fig = go.Figure()
@@ -62,15 +79,18 @@ def critical_path_figure(frame: pd.DataFrame) -> go.Figure:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Stage shares of run ``q.run`` for the whole run, by tenant and by SLO class; its critical path."""
     rid = src.resolve(q.run)
-    sections = []
+    sections = [explained("Attribution", EXPLAIN["attribution"], _attribution(src.result(rid, "attribution")))]
     for by, label in _GROUPS:
         frame = src.result(rid, "stage_breakdown", by=by or None)
         group = GROUP_COLUMN.get(by)
         graphs = [graph_or_notice(frame, f"breakdown-{kind}-{by or 'all'}", lambda f, kind=kind, klabel=klabel:
                                   stacked_shares(f, kind, group, f"{klabel} by stage, {label}"),
                                   f"No {klabel} samples in this run.") for kind, klabel in _KINDS]
-        sections.append(explained(f"Stage shares, {label}", EXPLAIN["breakdown"],
-                                  dash.html.Div(graphs, className="tt-row")))
+        children: list[Any] = [dash.html.Div(graphs, className="tt-row")]
+        hidden = hidden_stages_sentence(hidden_stages(frame)) if not by and len(frame) else ""
+        if hidden:  # every stage is drawn or named
+            children.append(dash.html.P(hidden, id="breakdown-hidden", className="tt-explain"))
+        sections.append(explained(f"Stage shares, {label}", EXPLAIN["breakdown"], *children))
     path = src.result(rid, "critical_path")
     sections.append(explained("Critical path", EXPLAIN["critical_path"], graph_or_notice(
         path, "breakdown-critical-path", critical_path_figure, "No first tokens with stages in this run.")))

@@ -20,9 +20,16 @@ dash.register_page(__name__, path=PATH, name="Compare", title="tokentrace · com
 _RED, _GREEN, _GREY = "#d62728", "#2ca02c", "#9e9e9e"
 
 
+_TABLE_COLUMNS = ["rank", "metric", "statistic", "baseline", "candidate", "delta", "rel_change", "ci_low", "ci_high",
+                  "p_adjusted", "n_baseline", "n_candidate", "contribution", "significant", "regression"]
+
+
 def change_figure(frame: pd.DataFrame) -> go.Figure:
-    """Relative change of every significant row (all rows if none is), regressions red, improvements green."""
+    """Relative change of every significant row (all rows if none is), regressions red, improvements green.
+
+    Rows without a relative change (a near-zero baseline) are in the table, not in the figure."""
     rows = frame[frame["significant"]] if frame["significant"].any() else frame
+    rows = rows[rows["rel_change"].notna()]
     labels = rows["metric"] + " · " + rows["statistic"]
     colors = [_RED if r else (_GREEN if s else _GREY) for r, s in zip(rows["regression"], rows["significant"])]
     err = dict(type="data", symmetric=False, array=((rows["ci_high"] - rows["delta"]) / rows["baseline"]).tolist(),
@@ -59,13 +66,21 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
     if len(diff) == 0:
         return [notice("The two runs have no latency samples to compare.")]
     regressions = diff[diff["regression"]]
+    stages = regressions[regressions["metric"].str.startswith("stage.")].sort_values("rank", kind="stable")
+    latency = regressions[~regressions["metric"].str.startswith("stage.")]
     summary = (f"{len(regressions)} significant regression(s) of {cand} against {base}: "
-               + ", ".join(regressions["metric"] + " " + regressions["statistic"])
+               + ", ".join(latency["metric"] + " " + latency["statistic"])
+               + ("; stages by contribution: " + ", ".join(
+                   f"{m.removeprefix('stage.')} ({c:+.0%} of mean {m.rsplit('.', 1)[-1].upper()})"
+                   for m, c in zip(stages["metric"], stages["contribution"])) if len(stages) else "")
                if len(regressions) else f"No significant regression of {cand} against {base}.")
+    ordered = diff.assign(_order=diff["rank"].astype("Float64").fillna(1e9)
+                          .where(diff["metric"].str.startswith("stage."), -1.0)).sort_values(
+        ["_order"], kind="stable").drop(columns="_order")
     return [dash.html.P(summary, id="compare-summary",
                         className="tt-regressions" if len(regressions) else "tt-no-regressions"),
             explained("Changes", EXPLAIN["compare"], graph(change_figure(diff), "compare-changes"),
-                      table(diff, "compare-table", page_size=40, highlight="regression"))]
+                      table(ordered[_TABLE_COLUMNS], "compare-table", page_size=40, highlight="regression"))]
 
 
 def controls(src: DataSource, q: ViewQuery) -> list[Any]:

@@ -1,4 +1,5 @@
-"""Overview: a run's headline latency percentiles, SLO attainment, goodput and throughput over time."""
+"""Overview: whether the run was saturated (offered against served load, and which pool), the instance advice,
+headline latency percentiles, SLO attainment, goodput, and latency over time."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, explained, fmt, graph_or_notice, kpis, lines
 from dashboard.components.shell import GROUP_COLUMN, GROUPINGS, ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource, series_window_s
-from tokentrace.schema import col
+from tokentrace.report.headline import advice_sentence, load_sentence
+from tokentrace.schema import STEPS, col
 from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
 
 PATH = "/"
@@ -41,10 +43,36 @@ def _headline(src: DataSource, rid: str) -> list[Any]:
         cards.append((f"{label} p50", fmt(_pct(lat, metric, "p50_ms"), "ms")))
         cards.append((f"{label} p99", fmt(_pct(lat, metric, "p99_ms"), "ms")))
     attainment = _all_row(slo, "attainment")
-    cards.append(("SLO attainment", fmt(None if attainment is None else 100 * attainment, "%")))
-    cards.append(("goodput", fmt(_all_row(good, "goodput_rps"), "req/s", 2)))
-    cards.append(("throughput", fmt(_all_row(good, "request_rate_rps"), "req/s", 2)))
+    cards.append(("SLO attainment", _measured(None if attainment is None else 100 * attainment, "%")))
+    cards.append(("goodput", _measured(_all_row(good, "goodput_rps"), "req/s", 2)))
     return [kpis(cards, kpi_id="overview-kpis")]
+
+
+def _measured(value: Any, unit: str, digits: int = 1) -> str:
+    """A KPI value, or "not measured" where the run did not measure it (never 0 or met)."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "not measured"
+    return fmt(value, unit, digits)
+
+
+def _load(src: DataSource, rid: str) -> list[Any]:
+    """The saturation verdict (the report's first line), offered and served load, and the instance advice."""
+    report = src.result(rid, "load")
+    row = report.row
+    saturated = row.get("saturated")
+    kind = "tt-saturated" if saturated is True else "tt-not-saturated" if saturated is False else "tt-unjudged"
+    verdict = dash.html.P(load_sentence(row, report.pools, report.stages), id="overview-load-verdict",
+                          className=f"tt-verdict {kind}")
+    cards = kpis([("offered load (arrival window)", fmt(row.get("offered_rps"), "req/s", 2)),
+                  ("served load", fmt(row.get("served_rps"), "req/s", 2)),
+                  ("saturated", {True: "yes", False: "no"}.get(saturated, "not judged")),
+                  ("pool that saturates", row.get("saturated_pool") or "—")], kpi_id="overview-load")
+    parts: list[Any] = [verdict, cards]
+    if src.info(rid).tables.get(STEPS.name, 0):
+        pd_report = src.result(rid, "pd_ratio")
+        parts.append(dash.html.P(advice_sentence(pd_report.recommendation, pd_report.demand),
+                                 id="overview-advice", className="tt-explain"))
+    return [explained("Load", EXPLAIN["load"], *parts)]
 
 
 def _counters(src: DataSource, rid: str) -> list[Any]:
@@ -110,7 +138,7 @@ def _grouped(src: DataSource, rid: str, by: str) -> list[Any]:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """The overview of run ``q.run``."""
     rid = src.resolve(q.run)
-    return (_headline(src, rid) + _counters(src, rid) + _series(src, rid) + _slo(src, rid)
+    return (_load(src, rid) + _headline(src, rid) + _counters(src, rid) + _series(src, rid) + _slo(src, rid)
             + _grouped(src, rid, q.by))
 
 

@@ -13,6 +13,9 @@ from dashboard.components.shell import ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource
 from tokentrace.schema import col
 
+_NOISY_COLUMNS = ["aggressor", "victim", "flagged", "effect_ms", "p_value", "p_adjusted", "num_windows",
+                  "num_burst_windows", "num_victim_burst", "num_victim_normal", "victim_mean_burst_ms",
+                  "victim_mean_normal_ms", "enough_data"]
 PATH = "/tenants"
 dash.register_page(__name__, path=PATH, name="Tenants", title="tokentrace · tenants and fairness")
 
@@ -32,8 +35,13 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
     jain = graph_or_notice(rep.jain, "tenants-jain", lambda f: bars(
         f, "basis", ["jain_index"], title="Jain's fairness index", yaxis="J (1 = fair)"), "No tenants in this run.")
     noisy = src.result(rid, "noisy_neighbours")
-    noisy_part = (table(noisy, "tenants-noisy", highlight="flagged") if len(noisy)
-                  else notice("Fewer than two tenants or time windows: no neighbours to compare."))
+    if len(noisy):
+        judged = int(noisy["enough_data"].astype(bool).sum())
+        summary = dash.html.P(f"{int(noisy['flagged'].astype(bool).sum())} of {len(noisy)} pair(s) flagged; "
+                              f"{judged} with enough data to judge.", id="tenants-noisy-summary")
+        noisy_part: Any = dash.html.Div([summary, table(noisy[_NOISY_COLUMNS], "tenants-noisy", highlight="flagged")])
+    else:
+        noisy_part = notice("Fewer than two tenants or time windows: no neighbours to compare.")
     return [explained("Latency per tenant", EXPLAIN["tenant_latency"], latency),
             explained("Shares", EXPLAIN["tenant_shares"], shares),
             explained("Fairness", EXPLAIN["jain"], jain),

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from analyzers.cache import cache, eviction_churn, miss_cost, prefix_hits, tier_hits, transfers
+from analyzers.cache import (
+    PREFIX_BOUND_KEY,
+    cache,
+    eviction_churn,
+    hit_rate_over_time,
+    hit_value,
+    prefix_hits,
+    tier_hits,
+    transfers,
+)
 from tokentrace.schema import CacheEventKind as K
-from tokentrace.schema import Tier
+from tokentrace.schema import Stage, Tier
 
 
 @pytest.fixture
@@ -63,17 +74,59 @@ def test_transfers(store):
     assert set(df.index) == {"offload", "load"}
 
 
-def test_miss_cost(store):
-    df = miss_cost(store).set_index("group")
-    assert df.loc["hit", "num_requests"] == 2
-    assert df.loc["hit", "mean_ttft_ms"] == pytest.approx(20.0)
-    assert df.loc["hit", "mean_ttft_per_prompt_token_ms"] == pytest.approx((0.1 + 0.6) / 2)
-    assert df.loc["miss", "mean_ttft_per_prompt_token_ms"] == pytest.approx(0.8)
-    assert df.loc["miss", "mean_prompt_tokens"] == pytest.approx(50.0)
+def test_hit_value_without_stage_spans_is_not_measured(store):
+    df = hit_value(store).set_index("group")
+    assert df.loc["hit", "num_requests"] == 2 and df.loc["hit", "num_measured"] == 0
+    assert df["ms_per_prompt_token"].isna().all() and df["saved_ms_per_hit"].isna().all()
+    assert df.loc["hit", "mean_ttft_ms"] == pytest.approx(20.0)  # context only
+
+
+def test_hit_value_on_the_stages_a_hit_changes(handmade):
+    # r1 hit: prompt 100, 80 cached: lookup 1 ms, load 2 ms, prefill 4 ms (queue 50 ms: not counted).
+    # r2 miss: prompt 100: lookup 1 ms, prefill 20 ms.
+    h = handmade
+    h.request(1, 0, 100, prompt=100, cached=80).tokens(1, [57])
+    h.span(1, Stage.SCHEDULE_QUEUE, 0, 50, 0).span(1, Stage.CACHE_LOOKUP, 50, 51, 0)
+    h.span(1, Stage.CACHE_LOAD, 51, 53, 0).span(1, Stage.PREFILL_COMPUTE, 53, 57, 0)
+    h.request(2, 0, 100, prompt=100, cached=0).tokens(2, [21])
+    h.span(2, Stage.CACHE_LOOKUP, 0, 1, 0).span(2, Stage.PREFILL_COMPUTE, 1, 21, 0)
+    df = hit_value(h.source()).set_index("group")
+    assert df.loc["hit", "ms_per_prompt_token"] == pytest.approx(7 / 100)
+    assert df.loc["miss", "ms_per_prompt_token"] == pytest.approx(21 / 100)
+    assert df.loc["hit", "saved_ms_per_hit"] == pytest.approx(21 - 7)
+    assert df.loc["hit", "load_ms"] == pytest.approx(2.0) and df.loc["hit", "mean_queue_ms"] == pytest.approx(50.0)
+    assert math.isnan(df.loc["miss", "saved_ms_per_hit"])
+
+
+def test_hit_rate_over_time(handmade):
+    h = handmade
+    h.request(1, 0, 10, prompt=100, cached=0).request(2, 500, 510, prompt=100, cached=50)
+    h.request(3, 1000, 1010, prompt=100, cached=100)
+    df = hit_rate_over_time(h.source(), window_s=1.0).set_index("window_start_s")
+    assert df.loc[0.0, "token_hit_rate"] == pytest.approx(0.25) and df.loc[0.0, "request_hit_rate"] == 0.5
+    assert df.loc[1.0, "token_hit_rate"] == 1.0
+    with pytest.raises(ValueError):
+        hit_rate_over_time(h.source(), window_s=0)
+
+
+def test_best_achievable_rate_comes_from_the_manifest(handmade):
+    h = handmade.request(1, 0, 10, prompt=100, cached=30).tokens(1, [10])
+    assert math.isnan(prefix_hits(h.source()).iloc[0]["best_token_hit_rate"])
+    manifest = {"config": {"bench": {PREFIX_BOUND_KEY: {"best_token_hit_rate": 0.4, "best_block_hit_rate": 0.35}}}}
+    row = prefix_hits(h.source(manifest)).iloc[0]
+    assert row["token_hit_rate"] == pytest.approx(0.3) and row["best_token_hit_rate"] == 0.4
+    assert row["best_block_hit_rate"] == 0.35
+
+
+def test_the_bench_records_the_bound_under_the_key_the_analyzer_reads():
+    from tokentrace.bench import prefix
+
+    assert prefix.PREFIX_BOUND_KEY == PREFIX_BOUND_KEY
 
 
 def test_empty_store_gives_empty_frames(handmade):
     report = cache(handmade.source())
     assert report.tiers.empty and report.churn.empty and report.transfers.empty
-    assert list(report.miss_cost["num_requests"]) == [0, 0]
+    assert list(report.hit_value["num_requests"]) == [0, 0]
     assert report.prefix.iloc[0]["num_requests"] == 0
+    assert report.hit_rate_over_time.empty

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from analyzers.pd_ratio import kv_transfer, pd_ratio, recommendation, utilisation, watermarks
+from analyzers.pd_ratio import demand, kv_transfer, pd_ratio, recommendation, utilisation, watermarks
 from tokentrace.schema import Role, Stage, col
 
 
@@ -40,14 +42,35 @@ def test_utilisation(disagg, inst, column, expected):
     assert value == (pytest.approx(expected) if isinstance(expected, float) else expected)
 
 
-def test_recommended_ratio(disagg):
-    row = recommendation(disagg).iloc[0]
-    assert row["arrival_rate_rps"] == pytest.approx(2.0)
-    assert row["prefill_tokens_per_s_needed"] == pytest.approx(2 * (80 - 10))  # lambda * (P - C)
-    assert row["decode_tokens_per_s_needed"] == pytest.approx(2 * 3)  # lambda * O
-    assert row["prefill_instances"] == pytest.approx(140 / 800)
-    assert row["decode_instances"] == pytest.approx(6 / 40)
-    assert row["prefill_to_decode_ratio"] == pytest.approx((140 / 800) / (6 / 40))
+def test_demand_is_the_offered_rate_and_decode_tokens_only(disagg):
+    row = demand(disagg).iloc[0]
+    assert math.isnan(row["arrival_rate_rps"])  # both arrive at 0: no arrival window, no offered rate
+    assert row["prefill_tokens_per_request"] == pytest.approx(70)  # mean of (100 - 20) and 60
+    assert row["decode_tokens_per_request"] == pytest.approx(2)  # 3 output tokens, token 0 from prefill
+    assert row["ttft_target_ms"] == 500.0 and row["tpot_target_ms"] == 100.0  # interactive defaults
+
+
+def test_advice_in_whole_instances(handmade):
+    # Prefill instance 1: 200 tokens in 100 ms -> 2000 tok/s. Decode instance 2: 1 token per 50 ms step -> 20 tok/s.
+    # Four requests 1 s apart -> 1 req/s offered: 100 prefill tok/s, 4 decode tok/s (5 output tokens each).
+    h = handmade.instance(1, Role.PREFILL).instance(2, Role.DECODE)
+    for r in range(4):
+        t = r * 1000.0
+        h.request(r + 1, t, t + 300, prompt=100, output=5).tokens(r + 1, [t + 50 + 50 * i for i in range(5)])
+    h.step(1, 0, 100, prefill=200, inst=1)
+    for i in range(4):
+        h.step(i + 1, 200 + 50 * i, 250 + 50 * i, decode=1, inst=2)
+    advice = recommendation(h.source(), headroom=0.5).set_index("pool")
+    assert advice.loc["prefill", "work_per_s"] == pytest.approx(100.0)
+    assert advice.loc["decode", "work_per_s"] == pytest.approx(4.0)
+    assert advice.loc["decode", "capacity_per_instance"] == pytest.approx(20.0)
+    assert advice.loc["decode", "service_ms"] == pytest.approx(50.0)
+    assert advice.loc["decode", "max_utilisation"] == 0.5 and advice.loc["decode", "instances"] == 1
+    assert advice.loc["decode", "utilisation_at_advice"] == pytest.approx(0.2)
+    assert advice.loc["prefill", "service_ms"] == pytest.approx(50.0)  # 100 tokens at 2000 tok/s
+    assert bool(advice.loc["decode", "slo_reachable"])
+    with pytest.raises(ValueError):
+        recommendation(h.source(), headroom=1.0)
 
 
 def test_watermarks(disagg):
@@ -71,16 +94,21 @@ def test_pools_group_by_role(disagg):
     assert pools.loc["decode", "decode_tokens_per_s"] == pytest.approx(40.0)
 
 
-def test_colocated_engine_serves_both_throughputs(handmade):
-    h = handmade.request(1, 0, 1000, prompt=10, cached=0).tokens(1, [100, 1000])
+def test_colocated_engine_sums_both_kinds_of_work(handmade):
+    # 10 requests 100 ms apart (10 req/s): prompt 10 at 100 tok/s (0.1 s each), 1 decode token at 10 tok/s (0.1 s).
+    h = handmade
+    for r in range(10):
+        t = r * 100.0
+        h.request(r + 1, t, t + 200, prompt=10, cached=0, output=2).tokens(r + 1, [t + 100, t + 200])
     h.step(1, 0, 100, prefill=10).step(2, 100, 200, decode=1)
-    row = recommendation(h.source()).iloc[0]
-    assert row["prefill_throughput_per_instance"] == pytest.approx(100.0)
-    assert row["decode_throughput_per_instance"] == pytest.approx(10.0)
-    assert row["prefill_to_decode_ratio"] == pytest.approx((1 * 10 / 100) / (1 * 2 / 10))
+    advice = recommendation(h.source())
+    assert list(advice["pool"]) == ["colocated"]
+    row = advice.iloc[0]
+    assert row["work_per_s"] == pytest.approx(10 * 10 / 100 + 10 * 1 / 10)  # busy seconds per second
+    assert row["instances"] == 3 and row["lacks"] == 2  # 2.0 / 0.8 -> 3
 
 
 def test_empty_store(handmade):
     report = pd_ratio(handmade.source())
     assert report.utilisation.empty and report.pools.empty and report.watermarks.empty
-    assert report.recommendation["prefill_to_decode_ratio"].isna().all()
+    assert report.recommendation.empty

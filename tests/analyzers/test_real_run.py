@@ -105,7 +105,14 @@ def test_cache_hit_rates_are_shares(analysis):
 def test_pd_ratio_sees_both_pools(analysis):
     p = analysis.pd_ratio()
     assert {"prefill", "decode"} <= set(p.pools["role"])
-    assert len(p.recommendation) == 1
+    advice = p.recommendation.set_index("pool")
+    assert list(advice.index) == ["prefill", "decode"]
+    assert (advice["instances"] >= 1).all() and (advice["instances"] % 1 == 0).all()  # whole instances
+    assert (advice["utilisation_at_advice"] <= advice["max_utilisation"] + 1e-9).all()
+    assert (advice["current_instances"] == 1).all()
+    # Decode work counts decode tokens only: token 0 comes from the prefill pass.
+    assert p.demand.iloc[0]["decode_tokens_per_request"] == pytest.approx(
+        p.demand.iloc[0]["mean_output_tokens"] - 1)
 
 
 def test_batch_and_interference(analysis):

@@ -71,13 +71,15 @@ def test_tail_is_the_slowest_one_percent(handmade):
     assert df.loc["decode.queue", "itl_share"] == pytest.approx(20 / 218)
 
 
-def test_unattributed_clips_overlapping_stages(handmade):
-    # Token 0: 10 ms, spans cover 12 ms (overlap) -> no negative unattributed time counted.
-    # Token 1: 10 ms, spans cover 6 -> 4 unattributed.
+def test_unattributed_is_signed_and_never_floored(handmade):
+    # Token 0: 10 ms, spans cover 12 ms (2 ms double-counted) -> -2 ms, not floored to 0.
+    # Token 1: 10 ms, spans cover 6 -> 4 unattributed. Overlap is its own figure (analyzers.attribution).
     h = handmade.request(1, 0, 20).tokens(1, [10, 20])
     h.span(1, Stage.SCHEDULE_QUEUE, 0, 6, 0).span(1, Stage.PREFILL_COMPUTE, 4, 10, 0)
     h.span(1, Stage.DECODE_COMPUTE, 10, 16, 1)
-    assert unattributed(h.source()) == pytest.approx(4 / 20)
+    assert unattributed(h.source()) == pytest.approx((4 - 2) / 20)
+    shares = breakdown(h.source()).set_index("stage")
+    assert shares.loc[UNATTRIBUTED_LABEL, "ttft_share"] == pytest.approx(-0.2)  # the same sign in the breakdown
 
 
 def test_bad_tail_fraction(two_tenants):

@@ -79,15 +79,15 @@ def burst(handmade):
     return h.source()
 
 
-def test_noisy_neighbour_is_flagged(burst):
+def test_five_windows_and_one_burst_are_shown_but_not_judged(burst):
+    # The old detector flagged this pair (correlation 1, p99 100 vs 10 ms); five windows and one burst
+    # cannot tell a neighbour from chance (the interference tests are in test_held_out.py).
     df = noisy_neighbours(burst, window_s=1.0, z_threshold=1.5).set_index(["aggressor", "victim"])
     pair = df.loc[("agg", "vic")]
-    assert pair["num_windows"] == 5 and pair["num_burst_windows"] == 1
-    assert pair["correlation"] == pytest.approx(1.0)
+    assert pair["num_windows"] == 5 and pair["num_burst_windows"] == 1 and pair["num_victim_burst"] == 1
     assert pair["victim_p99_burst_ms"] == pytest.approx(100.0)
-    assert pair["victim_p99_normal_ms"] == pytest.approx(10.0)
-    assert bool(pair["flagged"])
-    assert not bool(df.loc[("vic", "agg"), "flagged"])  # vic never bursts
+    assert pair["victim_mean_normal_ms"] == pytest.approx(10.0)
+    assert not bool(pair["enough_data"]) and not bool(pair["flagged"])
 
 
 def test_no_pairs_with_one_tenant(handmade):
@@ -95,3 +95,5 @@ def test_no_pairs_with_one_tenant(handmade):
     assert noisy_neighbours(h.source()).empty
     with pytest.raises(ValueError):
         noisy_neighbours(h.source(), window_s=-1)
+    with pytest.raises(ValueError):
+        noisy_neighbours(h.source(), permutations=5)

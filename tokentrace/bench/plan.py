@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tokentrace.bench.arrivals import Arrivals
+from tokentrace.bench.prefix import PREFIX_BOUND_KEY, prefix_bound
 from tokentrace.bench.requests import PlannedRequest, TextRequest
 from tokentrace.bench.synthetic import SyntheticSpec, random_text, synthetic_requests
 from tokentrace.bench.workloads import Workload, build_prompt, default_traces_dir, load_trace
@@ -195,6 +196,8 @@ def _workload_texts(workload: str, synthetic: SyntheticSpec | None, max_requests
     config["scaling"] = {**loaded.scaling.as_dict(), "prompt_block_tokens": block_tokens}
     if any(r.hash_ids for r in loaded.requests):
         desc.append(f"prompt blocks of {block_tokens} tokens follow the trace's hash ids")
+        config[PREFIX_BOUND_KEY] = prefix_bound(loaded.requests, block_tokens=block_tokens,
+                                                server_block_size=server_block_size)
     return texts, [r.arrival_s for r in loaded.requests], desc, config
 
 

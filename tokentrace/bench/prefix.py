@@ -17,9 +17,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tokentrace.bench.workloads import TraceRequest
+from tokentrace.bench.workloads import TraceRequest, best_prefix_hit_rate
 
-__all__ = ["best_prefix_hit_tokens"]
+__all__ = ["best_prefix_hit_tokens", "prefix_bound", "PREFIX_BOUND_KEY", "ASSUMED_BOS_TOKENS"]
+
+PREFIX_BOUND_KEY = "prefix_bound"
+"""Key of :func:`prefix_bound` in the plan's config (the run manifest's ``config.bench``); the cache
+analyzer (``analyzers.cache.PREFIX_BOUND_KEY``) reads it there."""
+ASSUMED_BOS_TOKENS = 1  # the reference server's byte tokenizer adds one bos token per prompt
 
 
 def best_prefix_hit_tokens(requests: Sequence[TraceRequest], *, block_tokens: int, server_block_size: int,
@@ -59,3 +64,23 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
             break
         n += 1
     return n
+
+
+def prefix_bound(requests: Sequence[TraceRequest], *, block_tokens: int,
+                 server_block_size: int | None) -> dict[str, float | int]:
+    """The best achievable prefix hit rates of a replayed trace, for the run manifest.
+
+    ``best_block_hit_rate``: share of the trace's prompt blocks whose hash-id prefix appeared
+    before (tokenizer-free). With ``server_block_size``, ``best_token_hit_rate``: the tokens an
+    unbounded cache serves (:func:`best_prefix_hit_tokens`, whole server blocks) over all prompt
+    tokens, for a byte-level tokenizer adding :data:`ASSUMED_BOS_TOKENS` (the reference server's).
+    """
+    out: dict[str, float | int] = {"best_block_hit_rate": best_prefix_hit_rate(requests),
+                                   "trace_block_tokens": block_tokens}
+    if server_block_size:
+        best = best_prefix_hit_tokens(requests, block_tokens=block_tokens, server_block_size=server_block_size,
+                                      bos_tokens=ASSUMED_BOS_TOKENS)
+        prompt = sum(r.num_prompt_tokens + ASSUMED_BOS_TOKENS for r in requests)
+        out.update(best_token_hit_rate=sum(best) / prompt if prompt else 0.0, server_block_size=server_block_size,
+                   assumed_bos_tokens=ASSUMED_BOS_TOKENS)
+    return out

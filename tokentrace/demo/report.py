@@ -2,7 +2,10 @@
 
 Nothing is recomputed here: :func:`tokentrace.report.make_report` gathers the
 analyses (the same :class:`~tokentrace.report.model.Report` that ``tokentrace
-report`` renders as Markdown), and this module only formats its sections.
+report`` renders as Markdown), and this module only formats its sections. The
+report's first lines come first here too: whether the run was saturated and
+which pool (offered against served load), the instance advice, and the
+attribution invariant's signed unattributed and overlap figures.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tokentrace.schema import REQUESTS, SPANS
 
-__all__ = ["TERMINAL_SECTIONS", "print_report", "section_table", "verdict_lines"]
+__all__ = ["TERMINAL_SECTIONS", "print_report", "section_table", "verdict_lines", "headline_lines"]
 
 TERMINAL_SECTIONS: dict[str, int] = {"latency": 1, "stage_breakdown": 1, "slo": 1, "tenants": 2, "agreement": 1}
 """Report sections shown in the terminal, in order, and how many of each one's tables (the
@@ -58,14 +62,32 @@ def section_table(frame: pd.DataFrame, *, title: str = "") -> Table:
     return table
 
 
+def headline_lines(report: Any) -> list[str]:
+    """The report's first lines (load verdict, instance advice) with rich markup; the verdict in colour."""
+    lines = []
+    for i, line in enumerate(getattr(report, "headline", ())[:2]):
+        text = escape(line)
+        if i == 0:
+            saturated = report.load.get("saturated")
+            text = f"[bold red]{text}[/]" if saturated is True else f"[bold green]{text}[/]" if saturated is False \
+                else f"[bold]{text}[/]"
+        lines.append(text)
+    return lines
+
+
 def verdict_lines(report: Any) -> list[str]:
-    """The demo's two checks in words: unattributed share and client/server agreement (rich markup)."""
+    """The demo's checks in words: unattributed (signed) and overlap shares, client/server agreement (rich markup)."""
     lines = []
     share = report.metrics.get("unattributed.share")
+    overlap = report.metrics.get("overlap.share")
     if share is not None and math.isfinite(share):
         ok = abs(share) < UNATTRIBUTED_TARGET
         mark = "[green]OK[/]" if ok else "[yellow]above target[/]"
-        lines.append(f"unattributed time: {100 * share:.3f}% of token latency (target < "
+        lines.append(f"unattributed time: {100 * share:+.3f}% of token latency (signed; target |x| < "
+                     f"{100 * UNATTRIBUTED_TARGET:.0f}%): {mark}")
+    if overlap is not None and math.isfinite(overlap):
+        mark = "[green]OK[/]" if overlap < UNATTRIBUTED_TARGET else "[yellow]above target[/]"
+        lines.append(f"overlap (time two stages both claim): {100 * overlap:.3f}% of token latency (target < "
                      f"{100 * UNATTRIBUTED_TARGET:.0f}%): {mark}")
     try:
         agreement = report.section("agreement")
@@ -87,6 +109,8 @@ def print_report(report: Any, console: Console) -> None:
     console.print(f"[bold]run[/] {report.run.run_id} at {report.run.path}: "
                   f"{len(report.run.instances)} traced processes ({', '.join(roles)}), "
                   f"{report.run.rows.get(REQUESTS.name, 0)} request rows, {report.run.rows.get(SPANS.name, 0)} spans")
+    for line in headline_lines(report):
+        console.print(line)
     for key, num_tables in TERMINAL_SECTIONS.items():
         try:
             section = report.section(key)

@@ -64,6 +64,7 @@ METRIC_PATTERNS: tuple[str, ...] = (
     f"{{{','.join(LATENCY_METRICS)}}}.{{{','.join(LATENCY_STATS)}}}",
     f"stage.<stage>.{{{','.join(STAGE_STATS)}}}",
     "unattributed.share",
+    "overlap.share",
     f"slo.<class>.{{{','.join(SLO_STATS)}}}",
     "goodput.rps",
     "counters.<name>",
@@ -135,7 +136,7 @@ def metric_kind(name: str) -> MetricKind:
     parts = name.split(".")
     if len(parts) >= 2 and parts[0] in LATENCY_METRICS and ".".join(parts[1:]) in LATENCY_STATS:
         return MetricKind.TIME
-    if name == "unattributed.share":
+    if name in ("unattributed.share", "overlap.share"):
         return MetricKind.RATIO
     if name == "goodput.rps":
         return MetricKind.RATE
@@ -182,9 +183,23 @@ def parse_budget(metric: str, limit: str, *, source: str = "budget") -> Budget:
     op, number, unit = m.group(1), float(m.group(2)), m.group(3)
     try:
         kind, value = _kind_and_limit(metric, number, unit, entry)
+        _check_range(kind, value, entry)
     except BudgetError as err:
         raise BudgetError(f"{source}: {err}") from None
     return Budget(metric=metric, op=op, limit=value, kind=kind, text=entry)
+
+
+def _check_range(kind: MetricKind, value: float, entry: str) -> None:
+    """A limit the metric can reach: finite, and within the kind's range (times, rates and
+    counts are not negative, shares lie in 0..1, a relative change is not below -100%)."""
+    if not math.isfinite(value):
+        raise BudgetError(f"budget {entry!r}: the limit must be a finite number")
+    if kind in (MetricKind.TIME, MetricKind.RATE, MetricKind.COUNT) and value < 0:
+        raise BudgetError(f"budget {entry!r}: a {kind.value} limit cannot be negative")
+    if kind is MetricKind.RATIO and not 0 <= value <= 1:
+        raise BudgetError(f"budget {entry!r}: a share or attainment lies between 0 and 1 (0% and 100%)")
+    if kind is MetricKind.RELATIVE and value < -1:
+        raise BudgetError(f"budget {entry!r}: a relative change cannot be below -100%")
 
 
 def _parse_line(line: Any, source: str) -> Budget:

@@ -11,24 +11,33 @@ a :class:`Report`.
 Metric names (the budget namespace, values in ms for times, fractions for shares):
 ``<ttft|tpot|itl|e2e>.<mean|p50|p90|p99|p99.9>``,
 ``stage.<stage>.<share_of_ttft|share_of_itl|tail_share_of_ttft|tail_share_of_itl>``,
-``unattributed.share``, ``slo.<class>.attainment``, ``slo.<class>.fluidity``
+``unattributed.share`` (signed), ``overlap.share``, ``slo.<class>.attainment``, ``slo.<class>.fluidity``
 (class ``all`` = every request, ``none`` = requests without a class), ``goodput.rps`` and ``counters.<name>``.
+A metric the run did not measure is NaN (``null`` in JSON), never 0: a budget on it fails.
+
+The report's first lines (:attr:`Report.headline`) are the load verdict (offered
+against served load, saturated or not and where: :func:`analyzers.load.load`),
+the prefill:decode instance advice and the attribution invariant's two figures,
+worded by :mod:`tokentrace.report.headline`; :attr:`Report.load` holds the verdict's
+numbers (the JSON report's ``load`` object).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import pandas as pd
 
 from tokentrace.report.budget import Budget, BudgetError, BudgetResult, Change, evaluate
+from tokentrace.report.headline import advice_sentence, attribution_sentence, load_sentence
 from tokentrace.report.sections import SECTION_BUILDERS, Context, Section, stage_shares
 from tokentrace.schema import SPANS, STEPS, col
 from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
 
-__all__ = ["RunHeader", "Charts", "Report", "build_report", "run_metrics", "metric_changes", "ALL_CLASSES"]
+__all__ = ["RunHeader", "Charts", "Report", "build_report", "run_metrics", "metric_changes", "load_summary",
+           "ALL_CLASSES", "LOAD_KEYS"]
 
 ALL_CLASSES = "all"
 """Metric name part standing for every SLO class (the analyzers' ``*`` row)."""
@@ -37,6 +46,12 @@ NO_CLASS = "none"
 _LATENCY_STATS = {"mean_ms": "mean", "p50_ms": "p50", "p90_ms": "p90", "p99_ms": "p99", "p99.9_ms": "p99.9"}
 _STAGE_STATS = {"ttft_share": "share_of_ttft", "itl_share": "share_of_itl",
                 "ttft_tail_share": "tail_share_of_ttft", "itl_tail_share": "tail_share_of_itl"}
+LOAD_KEYS: dict[str, str] = {
+    "offered_rps": "offered_rps", "served_rps": "served_rps", "saturated": "saturated", "pool": "saturated_pool",
+    "stage": "saturated_stage", "arrival_window_s": "arrival_window_s", "num_requests": "num_requests",
+    "num_completed": "num_completed", "load_ratio": "load_ratio",
+}
+"""Keys of :attr:`Report.load` (the JSON report's ``load``) and the load analyzer's summary column each holds."""
 _NUM_BUCKETS = 60  # time-series points across a run in the HTML charts
 _MIN_BUCKET_S = 1e-3
 
@@ -76,6 +91,8 @@ class Report:
     regressions: tuple[str, ...]  # significant regressions, e.g. "itl p99: 6.0 ms -> 12.1 ms (+101.7%)"
     budgets: tuple[BudgetResult, ...]
     charts: Charts
+    headline: tuple[str, ...] = ()  # the first lines: load verdict, instance advice, attribution
+    load: dict[str, Any] = field(default_factory=dict)  # the verdict's numbers (LOAD_KEYS) and sentence ("verdict")
 
     @property
     def passed(self) -> bool:
@@ -123,6 +140,8 @@ def run_metrics(ctx: Context, counters: dict[str, int]) -> dict[str, float]:
                 out[f"stage.{r['stage']}.{stat}"] = float(r[column])
     if ctx.has("unattributed_share"):
         out["unattributed.share"] = float(ctx.get("unattributed_share"))
+    if ctx.has("overlap_share"):
+        out["overlap.share"] = float(ctx.get("overlap_share"))
     for method, column, stat in (("slo", "attainment", "attainment"), ("fluidity", "fluidity_index", "fluidity")):
         if ctx.has(method):
             for _, r in ctx.get(method).iterrows():
@@ -155,12 +174,31 @@ def metric_changes(metrics: dict[str, float], baseline: dict[str, float],
     return changes
 
 
+def _change_text(r: pd.Series) -> str:
+    rel = f", {r['rel_change'] * 100:+.1f}%" if pd.notna(r["rel_change"]) else ""
+    share = ""
+    if str(r["metric"]).startswith("stage.") and pd.notna(r.get("contribution")):
+        kind = "TTFT" if str(r["metric"]).endswith(".ttft") else "ITL"
+        share = f"; {r['contribution'] * 100:+.1f}% of mean {kind}"
+    return (f"{r['metric']} {r['statistic']}: {r['baseline']:.3f} ms -> {r['candidate']:.3f} ms "
+            f"({r['delta']:+.3f} ms{rel}{share}; p = {r['p_adjusted']:.2g}, n = {int(r['n_baseline'])} / "
+            f"{int(r['n_candidate'])})")
+
+
+def _ordered(diff: pd.DataFrame) -> pd.DataFrame:
+    """Latency rows first (in the diff's order), then stage rows by rank (their contribution to TTFT and ITL)."""
+    if "rank" not in diff.columns:
+        return diff
+    stage = diff["metric"].astype(str).str.startswith("stage.")
+    order = diff["rank"].astype("Float64").fillna(1e9).where(stage, -1.0)
+    return diff.assign(_order=order).sort_values("_order", kind="stable").drop(columns="_order")
+
+
 def _regressions(diff: pd.DataFrame | None) -> tuple[str, ...]:
+    """Significant regressions: latency metrics first, then stages ranked by their contribution to TTFT and ITL."""
     if diff is None or len(diff) == 0:
         return ()
-    flagged = diff[diff["regression"].astype(bool)]
-    return tuple(f"{r['metric']} {r['statistic']}: {r['baseline']:.3f} ms -> {r['candidate']:.3f} ms "
-                 f"({r['rel_change'] * 100:+.1f}%)" for _, r in flagged.iterrows())
+    return tuple(_change_text(r) for _, r in _ordered(diff[diff["regression"].astype(bool)]).iterrows())
 
 
 def _diff_section(diff: pd.DataFrame | None, regressions: tuple[str, ...], baseline: RunHeader | None) -> Section:
@@ -169,11 +207,13 @@ def _diff_section(diff: pd.DataFrame | None, regressions: tuple[str, ...], basel
         return Section("diff", title, "No baseline run was given (--baseline STORE[:RUN]).")
     if diff is None:
         return Section("diff", title, "Not available: this tokentrace build has no diff analyzer.")
-    note = (f"Against run {baseline.run_id}: {len(regressions)} significant regression(s)."
-            " A change is significant when its bootstrap 95% confidence interval excludes 0 and it is at "
-            "least the minimum effect.")
-    shown = diff[diff["significant"].astype(bool)] if len(diff) else diff
-    caption = "Significant changes" if len(shown) else "No significant change"
+    note = (f"Against run {baseline.run_id}: {len(regressions)} significant regression(s); stages ranked by their "
+            "contribution to mean TTFT and ITL. A change is significant when its Holm-adjusted bootstrap p-value "
+            "is under 0.05 across every row, it is at least 0.1 ms, and, unless the baseline is near zero, at "
+            "least 2%. Sample sizes (n) are requests, tokens for ITL.")
+    shown = _ordered(diff[diff["significant"].astype(bool)]) if len(diff) else diff
+    caption = ("Significant changes: latency, then stages ranked by contribution" if len(shown)
+               else "No significant change")
     return Section("diff", title, note, ((caption, shown),) if len(shown) else ())
 
 
@@ -195,6 +235,31 @@ def _charts(ctx: Context, header: RunHeader) -> Charts:
     queues = (ctx.get("queues", bucket_s=ctx.bucket_s).timeline
               if ctx.has("queues") and header.rows.get(STEPS.name, 0) else empty)
     return Charts(latency=latency, breakdown=breakdown, windows=windows, queues=queues)
+
+
+def load_summary(ctx: Context) -> dict[str, Any]:
+    """The load verdict's numbers (:data:`LOAD_KEYS`) and its sentence, from the load analyzer (computed once)."""
+    if not ctx.has("load"):
+        return {**{k: None for k in LOAD_KEYS}, "verdict": "Load not judged: this build has no load analyzer."}
+    report = ctx.get("load")
+    row = report.row
+    out: dict[str, Any] = {}
+    for key, column in LOAD_KEYS.items():
+        value = row.get(column)
+        out[key] = None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+    out["verdict"] = load_sentence(row, report.pools, report.stages)
+    return out
+
+
+def _headline(ctx: Context, load: dict[str, Any]) -> tuple[str, ...]:
+    """The report's first lines: load verdict, instance advice, attribution invariant."""
+    lines = [load["verdict"]]
+    if ctx.has("pd_ratio") and ctx.rows.get(STEPS.name, 0):
+        p = ctx.get("pd_ratio")
+        lines.append(advice_sentence(p.recommendation, p.demand))
+    if ctx.has("attribution") and ctx.rows.get(SPANS.name, 0):
+        lines.append(attribution_sentence(ctx.get("attribution")))
+    return tuple(lines)
 
 
 def _bucket_s(ctx: Context) -> float:
@@ -234,6 +299,8 @@ def build_report(run: Any, rows: dict[str, int], *, baseline: tuple[Any, dict[st
     sections.append(_diff_section(diff, regressions, base_header))
     sections.append(_counters_section(header.counters))
     results = evaluate(tuple(budgets), metrics, changes)
-    return Report(run=header, baseline=base_header, sections=tuple(sections), metrics=metrics, diff=diff,
-                  regressions=regressions, budgets=results, charts=_charts(ctx, header))
+    load = load_summary(ctx)
+    return Report(run=header, baseline=base_header, headline=_headline(ctx, load), load=load,
+                  sections=tuple(sections), metrics=metrics, diff=diff, regressions=regressions, budgets=results,
+                  charts=_charts(ctx, header))
 

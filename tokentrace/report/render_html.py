@@ -30,7 +30,7 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f3f3f3; }
 .pass { color: #1a7f37; } .fail { color: #cf222e; font-weight: bold; }
-.note { color: #555; } .caption { font-weight: bold; margin-top: 1em; }
+.note { color: #555; } .caption { font-weight: bold; margin-top: 1em; } .headline { font-weight: bold; }
 """
 _BARS = (("TTFT mean", "ttft_share"), ("TTFT tail 1%", "ttft_tail_share"),
          ("ITL mean", "itl_share"), ("ITL tail 1%", "itl_tail_share"))
@@ -124,6 +124,16 @@ def _instance_names(report: Report) -> dict[int, str]:
     return out
 
 
+def _headline_html(report: Report) -> str:
+    """The report's first lines: the load verdict (red when saturated), the advice, the attribution."""
+    if not report.headline:
+        return ""
+    first, *rest = report.headline
+    cls = "fail" if report.load.get("saturated") is True else "headline"
+    return (f"<p class='{cls}' id='load-verdict'>{html.escape(first)}</p>"
+            + "".join(f"<p>{html.escape(line)}</p>" for line in rest))
+
+
 def _budgets_html(report: Report) -> str:
     if not report.budgets:
         return "<p class='note'>No budgets were checked (--budget FILE).</p>"
@@ -166,8 +176,8 @@ def render_html(report: Report) -> str:
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"
         f"<script type='text/javascript'>{bundle_text()}</script></head><body>"
-        f"<h1>{html.escape(title)}</h1><p class='note'>store {html.escape(run.path)}; created "
-        f"{html.escape(run.created or '-')}{baseline}</p>"
+        f"<h1>{html.escape(title)}</h1>{_headline_html(report)}<p class='note'>store {html.escape(run.path)}; "
+        f"created {html.escape(run.created or '-')}{baseline}</p>"
         f"<h2>Budgets</h2>{_budgets_html(report)}"
         + (f"<h2>Significant regressions</h2><ul>{regressions}</ul>" if regressions else "")
         + f"<h2>Charts</h2>{charts}{_sections_html(report)}</body></html>\n"

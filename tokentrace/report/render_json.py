@@ -5,6 +5,10 @@ Top level::
     format        "tokentrace-report"
     version       1 (bumped on an incompatible change)
     passed        true when every budget holds
+    headline      ["<load verdict>", "<instance advice>", "<attribution>"]: the report's first lines
+    load          {offered_rps, served_rps, saturated, pool, stage, arrival_window_s, num_requests,
+                   num_completed, load_ratio, verdict}: offered load over the arrival window against
+                   served load; saturated is true, false or null (not judged)
     run           {run_id, path, created, tokentrace_version, rows, instances, counters}
     baseline      the same for the baseline run, or null
     metrics       {name: number | null}: the budget namespace (ms, fractions, req/s, counts)
@@ -73,6 +77,8 @@ def report_dict(report: Report) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "passed": report.passed,
+        "headline": list(report.headline),
+        "load": {k: _plain(v) for k, v in report.load.items()},
         "run": _header(report.run),
         "baseline": _header(report.baseline),
         "metrics": {k: _plain(v) for k, v in report.metrics.items()},

@@ -1,8 +1,10 @@
 """The report as GitHub-flavoured Markdown, fit for a CI job summary (``$GITHUB_STEP_SUMMARY``).
 
-Order: run header, budgets verdict (what a reviewer looks at first), regressions
-against the baseline, then every section with its sentence and tables, then
-the flat metrics in a collapsed block. Pure function of a :class:`Report`.
+Order: the title, then the report's first lines (the load verdict: saturated or
+not, and which pool; the instance advice; the attribution invariant), the run
+header, budgets verdict, regressions against the baseline, then every section
+with its sentence and tables, then the flat metrics in a collapsed block. Pure
+function of a :class:`Report`.
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ def markdown_table(df: pd.DataFrame, *, max_rows: int = _MAX_ROWS) -> str:
     return "\n".join(lines)
 
 
+def _first_lines(report: Report) -> list[str]:
+    """The headline sentences, the load verdict in bold."""
+    if not report.headline:
+        return []
+    first, *rest = report.headline
+    return [f"**{first}**", ""] + [line for r in rest for line in (r, "")]
+
+
 def _header(run: RunHeader, baseline: RunHeader | None) -> list[str]:
     rows = run.rows
-    lines = [f"# tokentrace report: run `{run.run_id}`", "",
-             f"- store: `{run.path}`",
+    lines = [f"- store: `{run.path}`",
              f"- created: {run.created or '-'}; tokentrace {run.tokentrace_version or '-'}",
              f"- {rows.get(REQUESTS.name, 0):,} request rows, {rows.get(TOKENS.name, 0):,} token rows, "
              f"{rows.get(SPANS.name, 0):,} span rows; {len(run.instances)} instance(s): "
@@ -68,7 +77,8 @@ def _regressions(report: Report) -> list[str]:
         return []
     if not report.regressions:
         return ["## Regressions", "", f"No significant regression against run `{report.baseline.run_id}`.", ""]
-    lines = ["## Regressions", "", f"Significant regressions against run `{report.baseline.run_id}`:", ""]
+    lines = ["## Regressions", "", f"Significant regressions against run `{report.baseline.run_id}`, ranked by "
+                                   f"their contribution to TTFT and ITL:", ""]
     return lines + [f"- ⚠️ {r}" for r in report.regressions] + [""]
 
 
@@ -85,15 +95,18 @@ def _section(s: Section) -> list[str]:
 
 def _metrics(report: Report) -> list[str]:
     shown = {k: v for k, v in report.metrics.items() if not (k.startswith("stage.") and v == 0)}
+    left_out = len(report.metrics) - len(shown)
     df = pd.DataFrame({"metric": list(shown), "value": list(shown.values())})
     return ["<details><summary>All metrics (names usable in budgets)</summary>", "",
-            "Stage shares that are 0 are left out here; the JSON report lists every metric.", "",
+            f"{left_out} stage share(s) that are 0 are left out here; the JSON report lists every metric. "
+            "A metric shown as - was not measured.", "",
             markdown_table(df, max_rows=len(df) or 1), "", "</details>", ""]
 
 
 def render_markdown(report: Report) -> str:
     """The whole report as one Markdown document (ends with a newline)."""
-    lines = _header(report.run, report.baseline) + _budgets(report) + _regressions(report)
+    lines = ([f"# tokentrace report: run `{report.run.run_id}`", ""] + _first_lines(report)
+             + _header(report.run, report.baseline) + _budgets(report) + _regressions(report))
     for s in report.sections:
         if s.key == "diff" and report.baseline is None:
             continue

@@ -17,11 +17,20 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from tokentrace.report.headline import (
+    advice_sentence,
+    attribution_sentence,
+    failed_sentence,
+    hidden_stages_sentence,
+    load_sentence,
+    slo_not_measured,
+)
 from tokentrace.schema import CACHE_EVENTS, SPANS, STEPS, UNATTRIBUTED_LABEL, Stage, col
 
-__all__ = ["Section", "Context", "SECTION_BUILDERS", "stage_shares"]
+__all__ = ["Section", "Context", "SECTION_BUILDERS", "stage_shares", "hidden_stages", "HIDDEN_SHARE"]
 
 _SHARE_COLUMNS = ("ttft_share", "ttft_tail_share", "itl_share", "itl_tail_share")
+HIDDEN_SHARE = 1e-4  # a stage under 0.01% of every share column is left out of a breakdown table, and said so
 _STAGE_LABELS = [s.label for s in Stage] + [UNATTRIBUTED_LABEL]
 
 
@@ -93,30 +102,50 @@ def slo_section(ctx: Context) -> Section:
     tables = _nonempty(*parts)
     if not tables:
         return Section("slo", title, "No request has an SLO class and a first token: nothing to attain.")
-    return Section("slo", title, "A request attains its SLO when both its TTFT and its TPOT meet the class's "
-                                 "targets.", tables)
+    slo = ctx.get("slo")
+    note = " ".join(x for x in ["A request attains its SLO when it was served and both its TTFT and its TPOT "
+                                "meet the class's targets.", failed_sentence(slo), *slo_not_measured(slo)] if x)
+    return Section("slo", title, note, tables)
+
+
+def _is_small(breakdown: pd.DataFrame) -> pd.Series:
+    """Rows whose every share column is under :data:`HIDDEN_SHARE` (``unattributed`` is always shown)."""
+    shares = breakdown[list(_SHARE_COLUMNS)].fillna(0).abs().max(axis=1)
+    return (shares < HIDDEN_SHARE) & (breakdown["stage"] != UNATTRIBUTED_LABEL)
 
 
 def stage_shares(breakdown: pd.DataFrame) -> pd.DataFrame:
-    """The stage breakdown without stages that took no time in any column."""
+    """The stage breakdown without the stages under 0.01% in every column (:func:`hidden_stages` names them)."""
     if len(breakdown) == 0:
         return breakdown
-    shares = breakdown[list(_SHARE_COLUMNS)].fillna(0).abs().sum(axis=1)
-    return breakdown[shares >= 1e-4].reset_index(drop=True)
+    return breakdown[~_is_small(breakdown)].reset_index(drop=True)
+
+
+def hidden_stages(breakdown: pd.DataFrame) -> list[str]:
+    """The stages :func:`stage_shares` leaves out, in breakdown order."""
+    if len(breakdown) == 0:
+        return []
+    return [str(s) for s in dict.fromkeys(breakdown.loc[_is_small(breakdown), "stage"])]
 
 
 def breakdown_section(ctx: Context) -> Section:
     title = "Where the time went: stage breakdown"
     if (gone := _missing(ctx, "stage_breakdown", title, "stage_breakdown", (SPANS.name,))) is not None:
         return gone
-    df = stage_shares(ctx.get("stage_breakdown"))
+    full = ctx.get("stage_breakdown")
+    df = stage_shares(full)
     if len(df) == 0:
         return Section("stage_breakdown", title, "No token has stage spans: no breakdown to report.")
     note = "Each stage's share of TTFT and of ITL, as means and over the slowest 1% of tokens (tail)."
-    if ctx.has("unattributed_share"):
-        share = float(ctx.get("unattributed_share"))
-        note += f" Unattributed time: {share * 100:.3f}% of token latency."
+    hidden = hidden_stages_sentence(hidden_stages(full))
+    if hidden:
+        note += " " + hidden
+    attribution = ctx.get("attribution") if ctx.has("attribution") else None
+    if attribution is not None:
+        note += " " + attribution_sentence(attribution)
     tables: list[tuple[str, pd.DataFrame]] = [("", df)]
+    if attribution is not None:
+        tables.append(("Attribution: unattributed (signed) and overlap (double-counted) shares", attribution))
     if ctx.has("critical_path"):
         tables.append(("Critical path of TTFT (median and p99 request)", ctx.get("critical_path")))
     return Section("stage_breakdown", title, note, _nonempty(*tables))
@@ -158,18 +187,44 @@ def queues_section(ctx: Context) -> Section:
     return Section("queues", title, "Waiting requests over time are charted in the HTML report.", tables)
 
 
+def _cache_note(c: Any) -> str:
+    """The hit rate beside the best achievable, and what a hit is worth on the stages it changes."""
+    parts = ["Hit rates weighted by tokens and by requests."]
+    if len(c.prefix):
+        p = c.prefix.iloc[0]
+        best = p.get("best_token_hit_rate")
+        if best is not None and pd.notna(best) and pd.notna(p["token_hit_rate"]):
+            parts.append(f"Measured token hit rate {p['token_hit_rate'] * 100:.1f}% against the best achievable "
+                         f"{best * 100:.1f}% on this run's trace (an unbounded cache, from its block hashes).")
+    hv = c.hit_value.set_index("group") if len(c.hit_value) else None
+    if hv is None or "hit" not in hv.index or pd.isna(hv.loc["hit", "ms_per_prompt_token"]):
+        parts.append("The value of a hit was not measured: no request that hit has cache.lookup, cache.load or "
+                     "prefill.compute spans.")
+    elif pd.isna(hv.loc["miss", "ms_per_prompt_token"]):
+        parts.append("The value of a hit was not measured: no request missed to compare with.")
+    else:
+        parts.append(f"A hit saved {hv.loc['hit', 'saved_ms_per_hit']:,.2f} ms of lookup, load and prefill per "
+                     f"request: {hv.loc['hit', 'ms_per_prompt_token'] * 1e3:,.1f} us per prompt token against "
+                     f"{hv.loc['miss', 'ms_per_prompt_token'] * 1e3:,.1f} us for a miss (queueing excluded: it depends "
+                     f"on when a request arrived, not on the cache).")
+    return " ".join(parts)
+
+
 def cache_section(ctx: Context) -> Section:
     title = "Prefix cache"
     if (gone := _missing(ctx, "cache", title, "cache")) is not None:
         return gone
     c = ctx.get("cache")
-    tables = _nonempty(("Prefix hit rate", c.prefix), ("Hit rate per tier", c.tiers),
-                       ("Eviction churn", c.churn), ("Swaps, offloads and loads", c.transfers),
-                       ("TTFT cost of misses", c.miss_cost))
-    if not tables:
+    tables = _nonempty(("Prefix hit rate, beside the best achievable on the trace", c.prefix),
+                       ("Value of a hit, on the stages it changes (queue and TTFT shown, not used)", c.hit_value),
+                       ("Hit rate over time (per arrival window)", c.hit_rate_over_time),
+                       ("Hit rate per tier", c.tiers), ("Eviction churn", c.churn),
+                       ("Swaps, offloads and loads", c.transfers))
+    no_prompts = len(c.prefix) == 0 or int(c.prefix["num_requests"].sum()) == 0
+    if not tables or (ctx.rows.get(CACHE_EVENTS.name, 0) == 0 and no_prompts):
         reason = "no cache_events rows" if ctx.rows.get(CACHE_EVENTS.name, 0) == 0 else "no cache activity"
         return Section("cache", title, f"Not available: the run has {reason}.")
-    return Section("cache", title, "Hit rates weighted by tokens and by requests; miss cost in TTFT.", tables)
+    return Section("cache", title, _cache_note(c), tables)
 
 
 def pd_section(ctx: Context) -> Section:
@@ -177,9 +232,22 @@ def pd_section(ctx: Context) -> Section:
     if (gone := _missing(ctx, "pd_ratio", title, "pd_ratio", (STEPS.name,))) is not None:
         return gone
     p = ctx.get("pd_ratio")
-    tables = _nonempty(("Utilisation per pool", p.pools), ("Queue watermarks per instance", p.watermarks),
-                       ("KV transfer share", p.kv_transfer), ("Recommended prefill:decode ratio", p.recommendation))
-    return Section("pd_ratio", title, "Busy time of prefill and decode work per instance role.", tables)
+    tables = _nonempty(("Instances per pool for the offered load", p.recommendation),
+                       ("Demand the advice serves (offered rate over the arrival window)", p.demand),
+                       ("Utilisation per pool", p.pools), ("Queue watermarks per instance", p.watermarks),
+                       ("KV transfer share", p.kv_transfer))
+    return Section("pd_ratio", title, advice_sentence(p.recommendation, p.demand), tables)
+
+
+def load_section(ctx: Context) -> Section:
+    title = "Load and saturation"
+    if (gone := _missing(ctx, "load", title, "load")) is not None:
+        return gone
+    report = ctx.get("load")
+    tables = _nonempty(("Offered against served load", report.summary),
+                       ("Pools over the arrival window (early and late third)", report.pools),
+                       ("Stages whose time per request grew most", report.stages.head(5)))
+    return Section("load", title, load_sentence(report.row, report.pools, report.stages), tables)
 
 
 def batch_section(ctx: Context) -> Section:
@@ -202,14 +270,20 @@ def tenants_section(ctx: Context) -> Section:
         return gone
     t = ctx.get("tenants")
     parts = [("Jain's fairness index (1 = fair)", t.jain), ("Shares per tenant", t.shares)]
+    note = "Fairness by requests, by tokens and by compute time."
     if ctx.has("noisy_neighbours"):
         nn = ctx.get("noisy_neighbours")
         if len(nn) and "flagged" in nn.columns:
-            parts.append(("Noisy neighbours (flagged pairs)", nn[nn["flagged"].astype(bool)]))
+            parts.append(("Noisy neighbours: every pair, its sample sizes and permutation p-value", nn))
+            judged = int(nn["enough_data"].astype(bool).sum()) if "enough_data" in nn.columns else len(nn)
+            note += (f" Noisy neighbours: {int(nn['flagged'].astype(bool).sum())} of {len(nn)} tenant pair(s) "
+                     f"flagged, {judged} with enough data to judge (a pair needs 10 windows, 2 bursts and 5 of "
+                     f"the victim's requests in them; flagged at a Holm-adjusted p < 0.05 with at least 5 ms and "
+                     f"10% more TTFT than the victim's own trend).")
     tables = _nonempty(*parts)
     if not tables:
         return Section("tenants", title, "No request names a tenant.")
-    return Section("tenants", title, "Fairness by requests, by tokens and by compute time.", tables)
+    return Section("tenants", title, note, tables)
 
 
 def agreement_section(ctx: Context) -> Section:
@@ -224,7 +298,7 @@ def agreement_section(ctx: Context) -> Section:
 
 
 SECTION_BUILDERS: tuple[Callable[[Context], Section], ...] = (
-    latency_section, slo_section, breakdown_section, slowest_section, queues_section, cache_section,
+    load_section, latency_section, slo_section, breakdown_section, slowest_section, queues_section, cache_section,
     pd_section, batch_section, tenants_section, agreement_section,
 )
 """Builders in report order (the diff, budgets and counters are added by the model)."""

@@ -26,6 +26,7 @@ from reference_server.serving.gateway_hooks import (
     RequestReceived,
     ResponseWritten,
     Routed,
+    TokenHeld,
     Tokenized,
 )
 from reference_server.serving.gateway_server import ServerThread, serve_in_thread
@@ -43,8 +44,11 @@ default_slo_class = "batch"
 [tenants.edu]
 api_keys = ["sk-edu"]
 max_concurrency = 8
+[admin]
+api_keys = ["sk-ops"]
 """
 KEYS = {"acme": "sk-acme", "batchco": "sk-batch", "edu": "sk-edu"}
+ADMIN = {"Authorization": "Bearer sk-ops"}  # /metrics and /health in full
 
 
 def engine_config(tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)) -> EngineConfig:
@@ -288,7 +292,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer() -> None:
 def test_metrics_expose_latency_histograms_and_backend_state(server: ServerThread) -> None:
     client(server).completions.create(model="tiny", prompt="metrics", max_tokens=4, stream=False,
                                       extra_body={"ignore_eos": True})
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=ADMIN).text
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -312,7 +316,7 @@ def test_metrics_expose_latency_histograms_and_backend_state(server: ServerThrea
 
 
 def test_health_reports_instances(server: ServerThread) -> None:
-    r = httpx.get(server.url + "/health")
+    r = httpx.get(server.url + "/health", headers=ADMIN)
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "ok"
@@ -328,9 +332,12 @@ def test_observers_see_a_request_in_order(served: tuple[ServerThread, LocalBacke
     events = recorder.for_request("hk-1")
     kinds = [type(e) for e in events]
     num_chunks = sum(k is ChunkWritten for k in kinds)
-    assert 1 <= num_chunks <= 5  # a token completing no character goes out with the next chunk
-    assert kinds == [RequestReceived, RequestParsed, Tokenized, Routed] + [ChunkWritten] * num_chunks + [
-        GatewayRequestFinished]
+    assert 1 <= num_chunks <= 5  # a token completing no character is held and goes out with the next chunk
+    assert num_chunks + sum(k is TokenHeld for k in kinds) == 5  # every token: written or held
+    assert kinds[:4] == [RequestReceived, RequestParsed, Tokenized, Routed] and kinds[-1] is GatewayRequestFinished
+    assert kinds[-2] is ChunkWritten  # the last token (with its finish reason) is always written
+    held = [e for e in events if isinstance(e, TokenHeld)]
+    events = [e for e in events if not isinstance(e, TokenHeld)]
     received, parsed, tokenized, routed, *chunks, finished = events
     assert received.tenant == "acme" and received.path == "/v1/completions"
     assert received.t_ns <= parsed.t_ns <= tokenized.start_ns <= tokenized.end_ns <= routed.start_ns
@@ -338,6 +345,8 @@ def test_observers_see_a_request_in_order(served: tuple[ServerThread, LocalBacke
     assert tokenized.num_prompt_tokens == len("hooks") + 1
     indices = [c.index for c in chunks]
     assert indices == sorted(set(indices)) and indices[-1] == 4
+    assert sorted(indices + [h.index for h in held]) == list(range(5))
+    assert all(h.received_ns >= routed.end_ns for h in held)
     assert all(c.has_content for c in chunks[:-1])
     for prev, chunk in zip([None, *chunks], chunks):
         assert chunk.received_ns <= chunk.detok_start_ns <= chunk.detok_end_ns <= chunk.write_start_ns

@@ -8,7 +8,7 @@ import pytest
 
 from tokentrace.bench.arrivals import Arrivals
 from tokentrace.bench.plan import aligned_block_tokens, build_plan, parse_mix, parse_tenants, resolve_workload_path
-from tokentrace.bench.prefix import best_prefix_hit_tokens
+from tokentrace.bench.prefix import PREFIX_BOUND_KEY, best_prefix_hit_tokens, prefix_bound
 from tokentrace.bench.workloads import TraceRequest, best_prefix_hit_rate, load_trace
 
 
@@ -87,3 +87,17 @@ def test_best_prefix_hits_by_hand():
     # request 3 (20 chars + bos = 21 tokens) shares 20 chars -> 2 full blocks; request 4 shares nothing.
     assert best_prefix_hit_tokens(reqs, block_tokens=16, server_block_size=8, bos_tokens=1) == [0, 32, 16, 0]
     assert best_prefix_hit_rate(reqs) == pytest.approx(4 / 11)  # block level, for comparison
+
+
+def test_the_best_achievable_hit_rate_goes_into_the_plans_config():
+    reqs = [TraceRequest(0, 40, 1, (1, 2, 3)), TraceRequest(0, 40, 1, (1, 2, 9)), TraceRequest(0, 20, 1, (1, 2)),
+            TraceRequest(0, 40, 1, (5, 6, 7))]
+    bound = prefix_bound(reqs, block_tokens=16, server_block_size=8)
+    # The hand-computed hits above (one bos token, the reference server's): 48 of 140 + 4 prompt tokens.
+    assert bound["best_token_hit_rate"] == pytest.approx(48 / 144)
+    assert bound["best_block_hit_rate"] == pytest.approx(4 / 11)
+    assert "best_token_hit_rate" not in prefix_bound(reqs, block_tokens=16, server_block_size=None)
+    plan = build_plan(workload="mooncake", max_requests=30, length_scale=1 / 64, server_block_size=16)
+    recorded = plan.config[PREFIX_BOUND_KEY]
+    assert 0 < recorded["best_token_hit_rate"] < 1 and recorded["server_block_size"] == 16
+    assert PREFIX_BOUND_KEY not in build_plan(max_requests=3).config  # synthetic prompts carry no block hashes

@@ -12,7 +12,7 @@ from tokentrace.report.inputs import ReportInputError, open_checked, split_run_r
 from tokentrace.report.model import build_report
 from tokentrace.schema import REQUESTS, SPANS, Stage
 
-SECTION_KEYS = ["latency", "slo", "stage_breakdown", "slowest_requests", "queues", "cache", "pd_ratio", "batch",
+SECTION_KEYS = ["load", "latency", "slo", "stage_breakdown", "slowest_requests", "queues", "cache", "pd_ratio", "batch",
                 "tenants", "agreement", "diff", "counters"]
 
 
@@ -39,7 +39,8 @@ def test_metrics_namespace_matches_the_analyzers(engine_report):
     (_, latency), = engine_report.section("latency").tables
     assert m["ttft.p99"] == pytest.approx(latency.set_index("metric").loc["ttft", "p99_ms"])
     assert m["ttft.p50"] <= m["ttft.p90"] <= m["ttft.p99"] <= m["ttft.p99.9"]
-    assert 0 <= m["unattributed.share"] < 0.01  # the attribution invariant on the reference engine
+    assert abs(m["unattributed.share"]) < 0.01  # the attribution invariant on the reference engine: signed,
+    assert 0 <= m["overlap.share"] < 0.01  # and the double-counted time apart
     ttft_shares = sum(m[f"stage.{s.label}.share_of_ttft"] for s in Stage) + m["stage.unattributed.share_of_ttft"]
     assert ttft_shares == pytest.approx(1.0)
     assert m[f"stage.{Stage.PREFILL_COMPUTE.label}.share_of_ttft"] > 0

@@ -34,6 +34,9 @@ DIFF = pd.DataFrame({"metric": ["itl", "ttft"], "statistic": ["p99", "p99"], "ba
                      "regression": [True, False]})
 
 
+VERDICT = "SATURATED: arrivals outran service, offered 9.00 req/s over the 10.0 s arrival window, served 4.50 req/s."
+
+
 def _header(run_id: str) -> RunHeader:
     return RunHeader(run_id=run_id, path=f"/stores/{run_id}", created="2026-11-29T10:00:00Z",
                      tokentrace_version="0.1.0", rows={REQUESTS.name: 4, TOKENS.name: 16},
@@ -54,12 +57,18 @@ def report() -> Report:
                         (("Significant changes", DIFF[DIFF["significant"]]),)))
     return Report(run=_header("cand"), baseline=_header("base"), sections=sections, metrics=metrics, diff=DIFF,
                   regressions=("itl p99: 2.200 ms -> 4.400 ms (+100.0%)",), budgets=results,
-                  charts=Charts(latency=LATENCY, breakdown=BREAKDOWN, windows=WINDOWS, queues=QUEUES))
+                  charts=Charts(latency=LATENCY, breakdown=BREAKDOWN, windows=WINDOWS, queues=QUEUES),
+                  headline=(VERDICT, "Instances for the offered 9.00 req/s: decode 5 (75% busy; has 2)."),
+                  load={"offered_rps": 9.0, "served_rps": 4.5, "saturated": True, "pool": "decode",
+                        "stage": "decode.queue", "verdict": VERDICT})
 
 
 def test_markdown_has_header_budgets_regressions_and_every_section(report):
     md = render(report, "md")
     assert md.startswith("# tokentrace report: run `cand`")
+    lines = md.splitlines()
+    assert lines[2] == f"**{VERDICT}**"  # the verdict is the first thing under the title
+    assert lines[4].startswith("Instances for the offered")
     assert "**FAILED**: 3 of 4 budget(s) violated." in md
     assert "| ✅ | `ttft.p99 <= 20ms` | 15.0 ms |" in md
     assert "| ❌ | `itl.p99 <= 4ms` | 4.400 ms |" in md
@@ -94,6 +103,7 @@ def test_html_is_self_contained_with_the_charts(report):
         assert f'id="{div}"' in page
     assert "Shares | of time &lt;b&gt;" in page  # text escaped
     assert "<li class='fail'>itl p99" in page
+    assert page.index(VERDICT) < page.index("<h2>Budgets</h2>")  # the verdict opens the report
 
 
 def test_html_says_so_when_there_is_nothing_to_chart(report):
@@ -105,8 +115,10 @@ def test_html_says_so_when_there_is_nothing_to_chart(report):
 
 def test_json_has_stable_keys_and_strict_numbers(report):
     doc = json.loads(render(report, "json"))
-    assert list(doc) == ["format", "version", "passed", "run", "baseline", "metrics", "budgets", "regressions",
-                         "diff", "sections"]
+    assert list(doc) == ["format", "version", "passed", "headline", "load", "run", "baseline", "metrics", "budgets",
+                         "regressions", "diff", "sections"]
+    assert doc["load"]["offered_rps"] == 9.0 and doc["load"]["served_rps"] == 4.5 and doc["load"]["saturated"] is True
+    assert doc["headline"][0] == VERDICT
     assert doc["format"] == "tokentrace-report" and doc["version"] == 1 and doc["passed"] is False
     assert doc["run"]["run_id"] == "cand" and doc["baseline"]["run_id"] == "base"
     assert doc["metrics"]["ttft.p99"] == 15.0

@@ -3,12 +3,15 @@
 Exit codes: 0 when every budget holds (or none was given), 1 when a budget is
 violated (the reports are written first), 2 on bad input (a missing or empty
 store, an unknown run, a run without requests or tokens, a corrupt file, a
-malformed budget file): one sentence on stderr, never a traceback.
+malformed budget file) and when a budget names a metric the run did not measure
+(e.g. TPOT attainment of a run without per-token data; the reports are written
+first): one sentence on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
@@ -85,8 +88,14 @@ def report_command(
                 (out / FILE_NAMES[f]).write_text(text, encoding="utf-8")
                 typer.echo(f"wrote {out / FILE_NAMES[f]}", err=True)
     failed = [r for r in report.budgets if not r.passed]
+    unmeasured = [r for r in failed if math.isnan(r.actual)]
     for r in failed:
-        typer.echo(f"budget violated: {r.message}", err=True)
+        if r not in unmeasured:
+            typer.echo(f"budget violated: {r.message}", err=True)
+    for r in unmeasured:
+        typer.echo(f"error: budget {r.budget.text!r} cannot be checked: {r.message}", err=True)
+    if unmeasured:
+        raise typer.Exit(EXIT_BAD_INPUT)
     if failed:
         raise typer.Exit(EXIT_VIOLATED)
 
