@@ -34,6 +34,7 @@ from analyzers import critical_path as _critical
 from analyzers import diff as _diff
 from analyzers import latency as _latency
 from analyzers import load as _load
+from analyzers import loop_lag as _loop_lag
 from analyzers import neighbours as _neighbours
 from analyzers import pd_ratio as _pd
 from analyzers import queues as _queues
@@ -115,6 +116,11 @@ class RunAnalysis:
     def slowest_requests(self, n: int = 10) -> pd.DataFrame:
         """The ``n`` slowest requests (end-to-end) with their time per stage."""
         return _critical.slowest_requests(self.source, n)
+
+    def loop_lag(self) -> _loop_lag.LoopLag:
+        """How late each sampled event loop (the gateway's) ran, and the share of each stage's
+        time that fell inside those late intervals."""
+        return _loop_lag.loop_lag(self.source)
 
     # ------------------------------------------------------------ resources
 

@@ -52,6 +52,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Collection, MutableMapping
 
 from instrument import transport
+from instrument.loop_lag import LoopLagSampler
 from instrument.sse import EventInfo, SseScanner, Usage, classify_event
 from tokentrace import api
 from tokentrace.clock import now_ns
@@ -243,6 +244,7 @@ class TokenTraceMiddleware:
         self.paths = None if paths is None else frozenset(paths)
         self.max_json_bytes = int(max_json_bytes)
         self._warned = False
+        self._samplers: dict[int, LoopLagSampler] = {}  # by recorder identity
         transport.install()  # first-byte times for gateway.accept, when the server is uvicorn
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -255,6 +257,7 @@ class TokenTraceMiddleware:
             return
         arrival_ns = now_ns()
         try:
+            self._sample_loop(rec)
             ex = _Exchange(rec, {k.lower(): v for k, v in scope.get("headers", ())}, arrival_ns, self,
                            transport.first_byte_ns(scope))
         except Exception as e:
@@ -268,6 +271,18 @@ class TokenTraceMiddleware:
             raise
         finally:
             self._guard(ex.finish)
+
+    def _sample_loop(self, rec: Any) -> None:
+        """Sample this server's event loop into ``rec`` from its first traced request on."""
+        sampler = self._samplers.get(id(rec))
+        if sampler is None:
+            sampler = self._samplers[id(rec)] = LoopLagSampler(rec)
+        sampler.ensure_running()
+
+    def close(self) -> None:
+        """Stop sampling the event loop (any thread; idempotent)."""
+        for sampler in self._samplers.values():
+            sampler.close()
 
     def _receive(self, ex: _Exchange, receive: Receive) -> Receive:
         async def traced_receive() -> Message:

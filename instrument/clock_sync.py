@@ -158,6 +158,9 @@ class SkewedRecorder:
     def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
         self._r.stage_begin(request_id, stage, t_ns + self.skew_ns, token_index)
 
+    def loop_lag(self, start_ns: int, end_ns: int) -> None:
+        self._r.loop_lag(start_ns + self.skew_ns, end_ns + self.skew_ns)
+
     def stage_end(self, request_id: int, stage: int, t_ns: int, *rest: Any) -> None:
         self._r.stage_end(request_id, stage, t_ns + self.skew_ns, *rest)
 

@@ -38,6 +38,10 @@ own: it goes out with the next chunk, so it has no gateway ``tokens`` row and it
 interval ends at the engine's emit. The ``requests`` row's ``first_content_ns``
 is the first chunk with visible text (the TTFT of AIPerf and ``vllm bench``).
 
+From the first request on, the gateway's event loop is sampled for lateness
+(:class:`~instrument.loop_lag.LoopLagSampler`, ``loop_lags`` rows): what delays
+``gateway.accept`` and ``stream.relay`` when the loop is busy.
+
 Disaggregated serving: ``transfer.kv`` of the decode worker's first token k,
 ``[prefill worker's hand-out of token k-1, first KV chunk reached the decode
 worker)`` with the bytes, from the relayed ``KVTransferStart`` event; only this
@@ -65,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from instrument import transport
+from instrument.loop_lag import LoopLagSampler
 from instrument.reference_cluster import TokenRelay
 from reference_server.serving import gateway_hooks as gh
 from tokentrace.clock import OffsetBook
@@ -138,6 +143,8 @@ class GatewayTracer(gh.GatewayObserver):
         self._relay = relay
         self._reqs: dict[str, _GReq] = {}
         self.clocks = clocks if clocks is not None else OffsetBook()
+        self.loop_lag = LoopLagSampler(recorder)
+        """Samples this gateway's event loop from its first request on (``loop_lags`` rows)."""
 
     def on_kv_transfer_start(self, event: Any) -> None:
         """Relayed worker event: the decode worker got the first KV chunk (on its clock)."""
@@ -171,6 +178,7 @@ class GatewayTracer(gh.GatewayObserver):
         return len(self._reqs)
 
     def on_request_received(self, event: gh.RequestReceived) -> None:
+        self.loop_lag.ensure_running()  # on the gateway's loop: sample it from now on
         first_byte = transport.first_byte_ns()  # this runs in the request's task: its context
         arrival = first_byte if 0 <= first_byte <= event.t_ns else event.t_ns
         g = _GReq(request_id_of(event.request_id), arrival, event.t_ns, trace_id_of(event.traceparent),

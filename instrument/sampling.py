@@ -378,6 +378,9 @@ class SamplingRecorder:
     def clock(self) -> int:
         return self._rec.clock()
 
+    def loop_lag(self, start_ns: int, end_ns: int) -> None:
+        self._rec.loop_lag(start_ns, end_ns)  # process-level: never sampled out
+
     @property
     def recorder(self) -> Recorder:
         return self._rec

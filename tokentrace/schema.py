@@ -47,6 +47,7 @@ __all__ = [
     "TOKENS",
     "STEPS",
     "CACHE_EVENTS",
+    "LOOP_LAGS",
     "INSTANCES",
     "TABLES",
     "table",
@@ -58,7 +59,7 @@ SCHEMA_VERSION = 2
 """Version of the on-disk layout; written into every Parquet file's metadata.
 
 2: stages ``gateway.accept`` and ``stream.relay``; ``requests.first_content_ns``
-(files of version 1 read it as null)."""
+(files of version 1 read it as null); table ``loop_lags``."""
 
 MIN_READABLE_SCHEMA_VERSION = 0
 """Oldest version readers still accept (version 0 is the pre-release layout)."""
@@ -497,6 +498,17 @@ CACHE_EVENTS = Table(
     ),
 )
 
+LOOP_LAGS = Table(
+    "loop_lags",
+    "Event-loop ticks that ran late: the loop was busy (or stalled) from when a tick was due until it ran. "
+    "Sampled by a tracer that lives on a serving process's event loop; only ticks late by a threshold are kept.",
+    (
+        _INSTANCE_ID,
+        _ns(col.START_NS, "When the tick was due."),
+        _ns(col.END_NS, "When it ran."),
+    ),
+)
+
 INSTANCES = Table(
     "instances",
     "One row per traced process: role, identity and clock anchors.",
@@ -522,7 +534,7 @@ INSTANCES = Table(
     ),
 )
 
-TABLES: dict[str, Table] = {t.name: t for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS, INSTANCES)}
+TABLES: dict[str, Table] = {t.name: t for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS, LOOP_LAGS, INSTANCES)}
 """Every table of a store by name."""
 
 

@@ -46,7 +46,7 @@ def test_unknown_stage_label_names_the_valid_ones():
 
 
 def test_every_table_has_documented_columns_with_units():
-    assert set(TABLES) == {"requests", "spans", "tokens", "steps", "cache_events", "instances"}
+    assert set(TABLES) == {"requests", "spans", "tokens", "steps", "cache_events", "loop_lags", "instances"}
     for t in TABLES.values():
         assert t.doc
         for c in t.columns:

@@ -41,6 +41,7 @@ from tokentrace.recorder.sink import Sink
 from tokentrace.schema import (
     CACHE_EVENTS,
     INSTANCES,
+    LOOP_LAGS,
     REQUESTS,
     SPANS,
     STEPS,
@@ -56,6 +57,7 @@ _pack_span = LAYOUTS[SPANS.name].packer.pack
 _pack_token = LAYOUTS[TOKENS.name].packer.pack
 _pack_step = LAYOUTS[STEPS.name].packer.pack
 _pack_cache = LAYOUTS[CACHE_EVENTS.name].packer.pack
+_pack_loop_lag = LAYOUTS[LOOP_LAGS.name].packer.pack
 _pack_instance = LAYOUTS[INSTANCES.name].packer.pack
 
 OPEN_STAGE_BYTES = 256
@@ -123,6 +125,7 @@ class BufferedRecorder:
         self._tokens = self._bufs[TOKENS.name]
         self._steps = self._bufs[STEPS.name]
         self._cache = self._bufs[CACHE_EVENTS.name]
+        self._loop_lags = self._bufs[LOOP_LAGS.name]
         self._instances = self._bufs[INSTANCES.name]
         self._labels = Labels()
         self._side = SideStrings()
@@ -250,6 +253,21 @@ class BufferedRecorder:
         b = self._cache
         try:
             row = _pack_cache(request_id, kind, tier, num_blocks, num_tokens, num_bytes, start_ns, end_ns, step)
+        except Exception:
+            next(self._invalid)
+            return
+        try:
+            b.reserve()
+        except IndexError:  # at the table's budget
+            next(b.drops)
+            return
+        b.put(row)
+
+    def loop_lag(self, start_ns: int, end_ns: int) -> None:
+        """Record an event-loop tick due at ``start_ns`` that ran at ``end_ns`` (see module contract)."""
+        b = self._loop_lags
+        try:
+            row = _pack_loop_lag(start_ns, end_ns)
         except Exception:
             next(self._invalid)
             return

@@ -50,6 +50,7 @@ import pyarrow as pa
 from tokentrace.schema import (
     CACHE_EVENTS,
     INSTANCES,
+    LOOP_LAGS,
     NULL_INT,
     REQUESTS,
     SPANS,
@@ -130,7 +131,12 @@ LAYOUTS: dict[str, Layout] = {
         CACHE_EVENTS,
         (col.REQUEST_ID, col.KIND, col.TIER, col.NUM_BLOCKS, col.NUM_TOKENS, col.NUM_BYTES,
          col.START_NS, col.END_NS, col.STEP),
-        budget_share=0.10,
+        budget_share=0.09,
+    ),
+    LOOP_LAGS.name: Layout(
+        LOOP_LAGS,
+        (col.START_NS, col.END_NS),
+        budget_share=0.01,
     ),
     REQUESTS.name: Layout(
         REQUESTS,

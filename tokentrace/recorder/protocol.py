@@ -65,6 +65,10 @@ class Recorder(Protocol):
         """One KV cache event (``kind``: ``CacheEventKind``)."""
         ...
 
+    def loop_lag(self, start_ns: int, end_ns: int) -> None:
+        """An event-loop tick due at ``start_ns`` ran at ``end_ns``."""
+        ...
+
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
                       num_prompt_tokens: int = -1, trace_id: str = "") -> int:
         """Note a request's arrival; returns its ``request_id``."""

@@ -151,6 +151,34 @@ def breakdown_section(ctx: Context) -> Section:
     return Section("stage_breakdown", title, note, _nonempty(*tables))
 
 
+def loop_sentence(lag: Any) -> str:
+    """One sentence per sampled loop, and the stages it explains most."""
+    if lag.is_empty:
+        return ("No event loop was sampled: the run has no loop_lags rows (a gateway traced by the reference "
+                "adapters or the ASGI middleware samples its loop).")
+    parts = []
+    for _, r in lag.instances.iterrows():
+        parts.append(f"{r['instance']} ({r['role']}): {int(r['late_ticks']):,} late ticks, {r['late_ms']:,.1f} ms in "
+                     f"all ({r['late_share']:.1%} of its time), the longest {r['longest_ms']:,.1f} ms.")
+    stages = lag.stages[lag.stages["share_in_late"] >= 0.01].sort_values("in_late_ms", ascending=False)
+    if len(stages):
+        named = ", ".join(f"{s['share_in_late']:.0%} of {s['stage']}" for _, s in stages.head(3).iterrows())
+        parts.append(f"Time spent while the loop ran late: {named}.")
+    else:
+        parts.append("Less than 1% of any stage's time fell while the loop ran late.")
+    return " ".join(parts)
+
+
+def loop_section(ctx: Context) -> Section:
+    title = "Event loop"
+    if (gone := _missing(ctx, "loop_lag", title, "loop_lag")) is not None:
+        return gone
+    lag = ctx.get("loop_lag")
+    tables = () if lag.is_empty else (("Late ticks per sampled loop", lag.instances),
+                                      ("Stage time inside late intervals", lag.stages))
+    return Section("loop_lag", title, loop_sentence(lag), tables)
+
+
 def _top_stages(row: pd.Series, stages: list[str], n: int = 3) -> str:
     times = sorted(((float(row[s]), s) for s in stages if pd.notna(row[s]) and row[s] > 0), reverse=True)
     total = sum(t for t, _ in times)
@@ -298,7 +326,8 @@ def agreement_section(ctx: Context) -> Section:
 
 
 SECTION_BUILDERS: tuple[Callable[[Context], Section], ...] = (
-    load_section, latency_section, slo_section, breakdown_section, slowest_section, queues_section, cache_section,
+    load_section, latency_section, slo_section, breakdown_section, loop_section, slowest_section, queues_section,
+    cache_section,
     pd_section, batch_section, tenants_section, agreement_section,
 )
 """Builders in report order (the diff, budgets and counters are added by the model)."""

@@ -16,6 +16,7 @@ from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import (
     CACHE_EVENTS,
     INSTANCES,
+    LOOP_LAGS,
     REQUESTS,
     SPANS,
     STEPS,
@@ -61,6 +62,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
                     num_output_tokens=1, num_cached_tokens=8, error="oom", first_content_ns=165)
     rec.instance(role=Role.DECODE, name="decode-1", host="h1", pid=99,
                  anchor=Anchor(mono_ns=5, wall_ns=6), clock_offset_ns=-7, clock_rtt_ns=8)
+    rec.loop_lag(300, 340)
     rec.flush()
 
     assert rows(sink, REQUESTS) == [{
@@ -96,6 +98,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
         col.PID: 99, col.MONO_ANCHOR_NS: 5, col.WALL_ANCHOR_NS: 6, col.CLOCK_OFFSET_NS: -7,
         col.CLOCK_RTT_NS: 8,
     }]
+    assert rows(sink, LOOP_LAGS) == [{col.INSTANCE_ID: 42, col.START_NS: 300, col.END_NS: 340}]
     for name in TABLES:
         assert sink.table(name).schema.equals(TABLES[name].schema, check_metadata=True)
     counters = rec.counters

@@ -12,7 +12,7 @@ from tokentrace.report.inputs import ReportInputError, open_checked, split_run_r
 from tokentrace.report.model import build_report
 from tokentrace.schema import REQUESTS, SPANS, Stage
 
-SECTION_KEYS = ["load", "latency", "slo", "stage_breakdown", "slowest_requests", "queues", "cache", "pd_ratio", "batch",
+SECTION_KEYS = ["load", "latency", "slo", "stage_breakdown", "loop_lag", "slowest_requests", "queues", "cache", "pd_ratio", "batch",
                 "tenants", "agreement", "diff", "counters"]
 
 
@@ -30,6 +30,7 @@ def test_real_run_fills_every_section_it_has_data_for(engine_report):
     assert list(latency["metric"]) == ["ttft", "tpot", "itl", "e2e"]
     assert latency.set_index("metric").loc["itl", "count"] == 8 * 5  # 8 requests, tokens 1..5
     assert "no client-side" in report.section("agreement").note
+    assert report.section("loop_lag").note.startswith("No event loop was sampled")  # an engine-only run
     assert report.section("diff").note.startswith("No baseline run")
     assert report.baseline is None and report.diff is None and report.passed
 

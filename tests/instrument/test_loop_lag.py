@@ -1,0 +1,95 @@
+"""Event-loop lag: the sampler records a loop that was kept busy, and the analyzer says which
+stage's time fell inside the late intervals."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pyarrow as pa
+import pytest
+
+from analyzers.loop_lag import loop_lag
+from analyzers.source import Source
+from instrument.loop_lag import LoopLagSampler
+from tokentrace.recorder import BufferedRecorder, InMemorySink
+from tokentrace.schema import INSTANCES, LOOP_LAGS, SPANS, Role, Stage, col
+
+MS = 1_000_000
+
+
+def test_a_loop_kept_busy_is_recorded_as_late_ticks():
+    sink = InMemorySink()
+    rec = BufferedRecorder(sink, instance_id=4, flush_interval_s=60)
+    sampler = LoopLagSampler(rec, period_ns=5 * MS, min_lag_ns=2 * MS)
+
+    async def main() -> None:
+        sampler.ensure_running()
+        await asyncio.sleep(0.02)
+        time.sleep(0.05)  # a callback that holds the loop for 50 ms
+        await asyncio.sleep(0.03)
+        sampler.close()
+
+    asyncio.run(main())
+    rec.flush()
+    rows = sink.table(LOOP_LAGS.name).to_pylist()
+    rec.close()
+    assert sampler.num_ticks >= 2
+    longest = max(r[col.END_NS] - r[col.START_NS] for r in rows)
+    assert longest >= 40 * MS  # the planted 50 ms, less the tick period it may have overlapped
+    assert all(r[col.INSTANCE_ID] == 4 for r in rows)
+
+
+def test_closing_before_the_loop_ends_leaves_nothing_pending():
+    rec = BufferedRecorder(InMemorySink(), instance_id=1, flush_interval_s=60)
+    sampler = LoopLagSampler(rec)
+
+    async def main() -> int:
+        sampler.ensure_running()
+        sampler.ensure_running()  # once only
+        await asyncio.sleep(0.03)
+        sampler.close()
+        await asyncio.sleep(0.03)
+        return sampler.num_ticks
+
+    ticks = asyncio.run(main())
+    assert sampler.num_ticks == ticks  # no tick after close
+    rec.close()
+    with pytest.raises(ValueError):
+        LoopLagSampler(rec, period_ns=0)
+
+
+def _table(t, rows):
+    return pa.Table.from_pydict({c.name: [r.get(c.name) for r in rows] for c in t.columns}, schema=t.schema)
+
+
+def test_the_analyzer_splits_stage_time_inside_and_outside_late_ticks():
+    """Gateway (instance 1): gateway.accept 0-10 ms and 20-30 ms, stream.relay 40-50 ms; the loop ran
+    late 5-15 ms and 45-47 ms. The worker (instance 2) was not sampled: its spans do not count."""
+    gw, worker = 1, 2
+    inst = _table(INSTANCES, [
+        {col.INSTANCE_ID: i, col.ROLE: int(r), col.NAME: n, col.HOST: "h", col.PID: 1, col.MONO_ANCHOR_NS: 0,
+         col.WALL_ANCHOR_NS: 0, col.CLOCK_OFFSET_NS: 0} for i, r, n in ((gw, Role.GATEWAY, "gateway-1"),
+                                                                         (worker, Role.DECODE, "decode-0"))])
+    spans = _table(SPANS, [
+        {col.REQUEST_ID: 7, col.STAGE: int(st), col.TOKEN_INDEX: 0, col.START_NS: a * MS, col.END_NS: b * MS,
+         col.INSTANCE_ID: i}
+        for st, a, b, i in ((Stage.GATEWAY_ACCEPT, 0, 10, gw), (Stage.GATEWAY_ACCEPT, 20, 30, gw),
+                            (Stage.STREAM_RELAY, 40, 50, gw), (Stage.DECODE_COMPUTE, 0, 50, worker))])
+    lags = _table(LOOP_LAGS, [{col.INSTANCE_ID: gw, col.START_NS: a * MS, col.END_NS: b * MS}
+                              for a, b in ((5, 15), (45, 47))])
+    lag = loop_lag(Source.of_tables(spans=spans, loop_lags=lags, instances=inst))
+    (row,) = lag.instances.to_dict("records")
+    assert (row["instance"], row["role"], row["late_ticks"]) == ("gateway-1", "gateway", 2)
+    assert row["late_ms"] == pytest.approx(12.0) and row["longest_ms"] == pytest.approx(10.0)
+    assert row["late_share"] == pytest.approx(12 / 50)
+    stages = lag.stages.set_index("stage")
+    assert list(stages.index) == ["gateway.accept", "stream.relay"]  # pipeline order; the worker's not here
+    assert stages.loc["gateway.accept", "in_late_ms"] == pytest.approx(5.0)
+    assert stages.loc["gateway.accept", "share_in_late"] == pytest.approx(5 / 20)
+    assert stages.loc["stream.relay", "share_in_late"] == pytest.approx(2 / 10)
+
+
+def test_no_sampled_loop_gives_empty_tables():
+    lag = loop_lag(Source.of_tables(spans=SPANS.schema.empty_table()))
+    assert lag.is_empty and len(lag.stages) == 0
