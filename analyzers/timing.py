@@ -103,6 +103,12 @@ def request_table(src: Source) -> str:
     first_token_ns, last_token_ns, num_output_tokens (tokens delivered),
     instance_id, ttft_ns, tpot_ns (null unless > 1 token), e2e_ns (finish, else
     last token, minus arrival; null without a first token).
+
+    ``first_token_ns`` is when the first chunk with visible text went out, when a
+    server process recorded it (``requests.first_content_ns``: the gateway), else
+    when the first token was delivered; TTFT and TPOT count from it. That is the
+    TTFT of AIPerf and ``vllm bench``: a chunk without text (a role-only chunk, or
+    a token that completes no character) does not end it.
     """
     def build() -> str:
         c = col
@@ -114,17 +120,23 @@ def request_table(src: Source) -> str:
                    COALESCE(MAX({c.TENANT}), '') AS {c.TENANT}, COALESCE(MAX({c.SLO_CLASS}), '') AS {c.SLO_CLASS},
                    MIN({c.ARRIVAL_NS}) AS {c.ARRIVAL_NS}, MAX({c.FINISH_NS}) AS {c.FINISH_NS},
                    MAX({c.STATUS}) AS {c.STATUS}, MAX({c.NUM_PROMPT_TOKENS}) AS {c.NUM_PROMPT_TOKENS},
-                   MAX({c.NUM_CACHED_TOKENS}) AS {c.NUM_CACHED_TOKENS}, MIN({c.INSTANCE_ID}) AS req_instance
+                   MAX({c.NUM_CACHED_TOKENS}) AS {c.NUM_CACHED_TOKENS}, MIN({c.INSTANCE_ID}) AS req_instance,
+                   MIN({c.FIRST_CONTENT_NS}) AS first_content
             FROM srv_requests GROUP BY {c.REQUEST_ID}
-        ), t AS (
-            SELECT {c.REQUEST_ID}, MIN({TOKEN_END}) AS {c.FIRST_TOKEN_NS}, MAX({TOKEN_END}) AS {LAST_TOKEN},
+        ), d AS (
+            SELECT {c.REQUEST_ID}, MIN({TOKEN_END}) AS first_delivered, MAX({TOKEN_END}) AS {LAST_TOKEN},
                    COUNT(*) AS {c.NUM_OUTPUT_TOKENS}
             FROM {tt} GROUP BY {c.REQUEST_ID}
+        ), t AS (
+            SELECT d.{c.REQUEST_ID}, d.{LAST_TOKEN}, d.{c.NUM_OUTPUT_TOKENS},
+                   CASE WHEN r.first_content IS NULL THEN d.first_delivered  -- (LEAST skips nulls)
+                        ELSE LEAST(r.first_content, d.{LAST_TOKEN}) END AS {c.FIRST_TOKEN_NS}
+            FROM d LEFT JOIN r USING ({c.REQUEST_ID})
         ), i AS (
             SELECT {c.REQUEST_ID}, arg_min({c.INSTANCE_ID}, {c.TOKEN_INDEX}) AS tok_instance
             FROM {ts} GROUP BY {c.REQUEST_ID}
         )
-        SELECT r.* EXCLUDE (req_instance), t.{c.FIRST_TOKEN_NS}, t.{LAST_TOKEN},
+        SELECT r.* EXCLUDE (req_instance, first_content), t.{c.FIRST_TOKEN_NS}, t.{LAST_TOKEN},
                COALESCE(t.{c.NUM_OUTPUT_TOKENS}, 0) AS {c.NUM_OUTPUT_TOKENS},
                COALESCE(i.tok_instance, r.req_instance) AS {c.INSTANCE_ID},
                t.{c.FIRST_TOKEN_NS} - r.{c.ARRIVAL_NS} AS {TTFT_NS},

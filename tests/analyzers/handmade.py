@@ -42,12 +42,12 @@ class HandMade:
 
     def request(self, rid: int, arrival: float | None, finish: float | None = None, *, tenant: str = "a",
                 cls: str = "interactive", prompt: int | None = None, cached: int | None = None, inst: int = 1,
-                status: int = 0, output: int | None = None) -> "HandMade":
+                status: int = 0, output: int | None = None, first_content: float | None = None) -> "HandMade":
         self.rows["requests"].append({
             col.REQUEST_ID: rid, col.REQUEST_KEY: f"r{rid}", col.INSTANCE_ID: inst, col.TENANT: tenant,
             col.SLO_CLASS: cls, col.ARRIVAL_NS: ns(arrival), col.FINISH_NS: ns(finish),
             col.NUM_PROMPT_TOKENS: prompt, col.NUM_CACHED_TOKENS: cached, col.STATUS: status,
-            col.NUM_OUTPUT_TOKENS: output})
+            col.NUM_OUTPUT_TOKENS: output, col.FIRST_CONTENT_NS: ns(first_content)})
         return self
 
     def tokens(self, rid: int, times: list[float], *, inst: int = 1, steps: list[int] | None = None,

@@ -105,3 +105,15 @@ def test_percentiles_are_monotone(make_store, gaps):
         assert r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["p99.9_ms"]
         assert r["p50_ms"] >= 0
     assert df.set_index("metric").loc["ttft", "count"] == len(gaps)
+
+
+def test_ttft_ends_at_the_first_chunk_with_visible_text(handmade):
+    """Token 0 completed no character: the gateway received it at 8 ms and held it back (recv_ns);
+    its text went out with token 1's chunk at 12 ms, the first with content (first_content_ns). TTFT
+    is 12 ms, the definition of AIPerf and vllm bench, not the 8 ms of token 0's own interval."""
+    h = handmade.instance(1, Role.GATEWAY)
+    h.request(1, 0, 20, first_content=12).tokens(1, [8], kind="recv").tokens(1, [12, 20], kind="sent", first=1)
+    lat = latency(h.source()).set_index("metric")
+    assert lat.loc["ttft", "mean_ms"] == pytest.approx(12.0)
+    assert lat.loc["tpot", "mean_ms"] == pytest.approx((20 - 12) / 2)
+    assert lat.loc["e2e", "mean_ms"] == pytest.approx(20.0)

@@ -84,7 +84,9 @@ def latency_section(ctx: Context) -> Section:
     if (gone := _missing(ctx, "latency", title, "latency")) is not None:
         return gone
     df = ctx.get("latency")
-    note = "TTFT, TPOT, ITL and end-to-end latency over every request, in milliseconds."
+    note = ("TTFT, TPOT, ITL and end-to-end latency over every request, in milliseconds. TTFT runs from the "
+            "request's arrival (its first bytes at the server, when the transport tells) to the first chunk with "
+            "visible text, as AIPerf and vllm bench count it; TPOT is the rest of the stream over the other tokens.")
     if len(df) == 0 or int(df["count"].sum()) == 0:
         return Section("latency", title, "No request produced a token: no latency to report.")
     return Section("latency", title, note, (("", df),))
