@@ -11,14 +11,18 @@ Modules, one responsibility each:
 
 * :mod:`~tokentrace.bench.arrivals`: when requests are sent (Poisson, gamma, constant, trace).
 * :mod:`~tokentrace.bench.synthetic`: synthetic prompt/output length distributions and shared system prompts.
-* :mod:`~tokentrace.bench.requests`: the request values passed between the parts.
+* :mod:`~tokentrace.bench.requests`: the values passed between the parts (planned requests, outcomes, failure kinds).
 * :mod:`~tokentrace.bench.plan`: the list of requests to send (workload x arrivals x tenants x SLO classes).
 * :mod:`~tokentrace.bench.prefix`: the best prefix-cache hits a server can get on a Mooncake replay.
-* :mod:`~tokentrace.bench.client`: one streamed request over httpx, timed per SSE chunk, failures classified.
-* :mod:`~tokentrace.bench.runner`: the bounded run loop and the store records.
+* :mod:`~tokentrace.bench.connections`: HTTP/1.1 keep-alive connections; each network read stamped on arrival.
+* :mod:`~tokentrace.bench.sse`: one response's SSE events -> token receive times, usage, failures.
+* :mod:`~tokentrace.bench.client`: one streamed request, its bytes built ahead, failures classified.
+* :mod:`~tokentrace.bench.dispatch`: sending a list of requests on time on one event loop, bounded.
+* :mod:`~tokentrace.bench.senders`: the same from several processes, merged into one run.
+* :mod:`~tokentrace.bench.runner`: a run (in this process or several) and its store records.
 * :mod:`~tokentrace.bench.progress`: live progress with rich.
 * :mod:`~tokentrace.bench.summary`: the final summary (``vllm bench serve`` names), text or JSON.
 * :mod:`~tokentrace.cli.commands.bench`: ``bench_command``, the typer command the CLI registers as ``tokentrace bench``.
 
-Nothing is imported here, so ``import tokentrace.bench.arrivals`` does not pull in httpx.
+Nothing is imported here: each module pulls in only what it needs.
 """

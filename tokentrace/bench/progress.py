@@ -18,8 +18,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from tokentrace.bench.client import Outcome
-from tokentrace.bench.requests import PlannedRequest
+from tokentrace.bench.requests import Outcome, PlannedRequest
 
 __all__ = ["ProgressListener", "NullProgress", "LiveProgress", "ProgressState"]
 

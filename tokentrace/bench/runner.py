@@ -1,35 +1,31 @@
-"""The bench run loop: send a plan's requests on time, bounded, and record what was seen.
+"""A bench run: send a plan's requests, from this process or from several, and record what was seen.
 
-:func:`run_plan` runs on one asyncio event loop. A dispatcher sends each planned
-request at its open-loop offset (and, with ``concurrency``, only while fewer than
-that many are in flight: closed loop). The run is bounded twice: by the plan's
-length (``--max-requests``) and by ``duration_s``: no request is sent after it,
-and requests still in flight ``drain_s`` later are cancelled and recorded as
-aborted (what arrived of them is kept).
+:func:`run_bench` sends the plan with :func:`~tokentrace.bench.dispatch.dispatch` (open-loop
+offsets, closed-loop bound, duration and drain bounds: see there), either on an event loop
+of this process (``processes=0``) or from that many sender processes
+(:mod:`~tokentrace.bench.senders`), in which case this process only records and reports.
+Either way the result is the same: one outcome per request sent, in send order, one run
+start (:attr:`BenchRun.start_ns`: request ``i`` was due at ``start + offset_i``), and one
+``client`` instance in the store.
 
-The run's start (:attr:`BenchRun.start_ns`) is when the dispatcher began, after
-the HTTP clients exist; request ``i`` is due at ``start + offset_i``. How late
-each one actually went out (its *send lag*) is in the summary: under an open
-loop a client that cannot keep up would otherwise under-drive the server
-without saying so.
+How late each request actually went out (its *send lag*) is in the summary: under an open
+loop a client that cannot keep up would otherwise under-drive the server without saying so.
 
-Every outcome goes to a :class:`~tokentrace.recorder.Recorder` (instance role
-``client``): the request row (key = the ``X-Request-Id`` sent, arrival = send
-time, first token, finish, status, error kind) and one token row per received
-token with ``recv_ns``; all on this process's monotonic clock, which the server
-processes on the same host share.
+Every outcome goes to a :class:`~tokentrace.recorder.Recorder` (instance role ``client``):
+the request row (key = the ``X-Request-Id`` sent, arrival = send time, first token,
+finish, status, error kind) and one token row per received token with ``recv_ns``; all on
+this host's monotonic clock, which the server processes on the same host share.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokentrace.bench.client import ClientShards, FailureKind, Outcome, RequestOptions, send_request
+from tokentrace.bench.client import FailureKind, Outcome, RequestOptions
+from tokentrace.bench.dispatch import RunLimits, dispatch
 from tokentrace.bench.plan import Plan
 from tokentrace.bench.progress import NullProgress, ProgressListener
 from tokentrace.bench.requests import PlannedRequest
@@ -38,30 +34,13 @@ from tokentrace.schema import RequestStatus, Role
 from tokentrace.store.manifest import read_manifest
 from tokentrace.store.writer import StoreWriter
 
-__all__ = ["RunLimits", "BenchRun", "run_plan", "record_outcome", "open_recorder", "run_bench", "status_of"]
+__all__ = ["RunLimits", "BenchRun", "record_outcome", "open_recorder", "run_bench", "status_of"]
 
 BENCH_CONFIG_KEY = "bench"
 """Key of the bench's settings (workload, scaling, arrivals, tenants) in the run manifest's config."""
 
 CANCELLED_ERROR = "cancelled_at_duration_bound"
 """Error text of requests cut by the duration bound (status aborted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunLimits:
-    """Bounds of a run. ``concurrency`` 0 = no closed-loop bound."""
-
-    duration_s: float = 600.0  # no request is sent later than this after the start
-    drain_s: float = 30.0  # in-flight requests get this long after duration_s, then are cancelled
-    concurrency: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
-            raise ValueError(f"duration must be a positive number of seconds, got {self.duration_s}")
-        if not self.drain_s >= 0:
-            raise ValueError(f"drain must be >= 0 s, got {self.drain_s}")
-        if self.concurrency < 0:
-            raise ValueError(f"concurrency must be >= 0, got {self.concurrency}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +54,7 @@ class BenchRun:
     counters: dict[str, int] = field(default_factory=dict)
     config_recorded: bool = False  # the bench settings are in the run manifest's merged config
     start_ns: int = -1  # the dispatcher's start (monotonic ns): request i is due at start_ns + offset_i
+    num_processes: int = 0  # sender processes (0: sent from the calling process)
 
 
 def status_of(outcome: Outcome) -> RequestStatus:
@@ -104,66 +84,20 @@ def record_outcome(recorder: Recorder, req: PlannedRequest, outcome: Outcome) ->
                          num_output_tokens=num_out, num_cached_tokens=outcome.num_cached_tokens, error=error)
 
 
-async def run_plan(plan: Plan, opts: RequestOptions, limits: RunLimits, *, recorder: Recorder | None = None,
-                   progress: ProgressListener | None = None) -> tuple[list[Outcome], int]:
-    """Send the plan (see module doc); the outcomes of the requests sent, in send order, and the
-    run's start (monotonic ns; request ``i`` was due at ``start + offset_i``)."""
-    listener = progress or NullProgress()
-    sem = asyncio.Semaphore(limits.concurrency) if limits.concurrency else None
-    tasks: list[tuple[PlannedRequest, asyncio.Task[Outcome]]] = []
+class _Collector:
+    """The dispatch listener of a run: records each outcome and tells the progress display."""
 
-    async def one(req: PlannedRequest) -> Outcome:
-        try:
-            outcome = await send_request(shards.for_request(req.index), req, opts)
-        finally:
-            if sem is not None:
-                sem.release()
-        if recorder is not None:
-            record_outcome(recorder, req, outcome)
-        listener.on_done(outcome)
-        return outcome
+    def __init__(self, recorder: Recorder | None, progress: ProgressListener) -> None:
+        self.recorder = recorder
+        self.progress = progress
 
-    async with ClientShards(opts, num_shards=min(limits.concurrency or 64, 64)) as shards:
-        start_ns = time.monotonic_ns()  # after the clients exist: building them (SSL context) takes ~40 ms
-        start = start_ns / 1e9
-        send_deadline = start + limits.duration_s
-        for req in plan.requests:
-            delay = start + req.offset_s - time.monotonic()
-            if start + req.offset_s > send_deadline:
-                break
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if sem is not None:
-                try:
-                    await asyncio.wait_for(sem.acquire(), timeout=max(send_deadline - time.monotonic(), 0))
-                except TimeoutError:
-                    break
-            if time.monotonic() > send_deadline:
-                if sem is not None:
-                    sem.release()
-                break
-            listener.on_sent(req)
-            tasks.append((req, asyncio.create_task(one(req))))
-        if tasks:
-            hard_stop = send_deadline + limits.drain_s - time.monotonic()
-            _, pending = await asyncio.wait([t for _, t in tasks], timeout=max(hard_stop, 0))
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-    return [_result(req, task, recorder, listener) for req, task in tasks], start_ns
+    def on_sent(self, req: PlannedRequest) -> None:
+        self.progress.on_sent(req)
 
-
-def _result(req: PlannedRequest, task: asyncio.Task[Outcome], recorder: Recorder | None,
-            listener: ProgressListener) -> Outcome:
-    """The task's outcome; a task cancelled before it could send becomes an empty cancelled outcome."""
-    if not task.cancelled():
-        return task.result()
-    now = time.monotonic_ns()
-    outcome = Outcome(req.index, req.key, now, (), now, 0, None, cancelled=True)
-    if recorder is not None:
-        record_outcome(recorder, req, outcome)
-    listener.on_done(outcome)
-    return outcome
+    def on_done(self, req: PlannedRequest, outcome: Outcome) -> None:
+        if self.recorder is not None:
+            record_outcome(self.recorder, req, outcome)
+        self.progress.on_done(outcome)
 
 
 def open_recorder(store: str | Path, *, run_id: str | None, config: dict[str, Any]) -> Recorder:
@@ -176,31 +110,48 @@ def open_recorder(store: str | Path, *, run_id: str | None, config: dict[str, An
 
 def run_bench(plan: Plan, opts: RequestOptions, limits: RunLimits, *, store: str | Path | None = None,
               run_id: str | None = None, progress: ProgressListener | None = None,
-              config: dict[str, Any] | None = None, run_config: dict[str, Any] | None = None) -> BenchRun:
-    """Run the plan on a fresh event loop; record into ``store`` if given. Blocks until done.
+              config: dict[str, Any] | None = None, run_config: dict[str, Any] | None = None,
+              processes: int = 0) -> BenchRun:
+    """Run the plan; record into ``store`` if given. Blocks until done.
 
+    ``processes``: 0 sends from a fresh event loop in this process; N >= 1 from N sender
+    processes while this one records and reports (see :mod:`~tokentrace.bench.senders`).
     ``config`` (JSON-ready) is written into the run's manifest, under the bench's
     key, together with the plan's own config (workload, scaling, arrivals, tenants);
     ``run_config`` goes in at the top level, for what describes the whole run (e.g.
-    the server's tenant weights that the tenants analyzer reads). ``OSError`` if the
-    store cannot be written; request failures never raise (they are counted).
+    the server's tenant weights that the tenants analyzer reads). ``ValueError`` for
+    a bad ``processes`` (or a ``concurrency`` smaller than it); ``OSError`` if the store
+    cannot be written; request failures never raise (they are counted).
     """
+    if processes < 0:
+        raise ValueError(f"processes must be >= 0, got {processes}")
+    if processes:
+        from tokentrace.bench.senders import shard_limits
+
+        shard_limits(limits, processes)  # bad settings fail before anything is written
     recorder = None
     if store is not None:
         recorder = open_recorder(store, run_id=run_id, config={
-            **(run_config or {}), BENCH_CONFIG_KEY: {**plan.config, **(config or {})}})
+            **(run_config or {}), BENCH_CONFIG_KEY: {**plan.config, **(config or {}), "processes": processes}})
+    collector = _Collector(recorder, progress or NullProgress())
     try:
-        outcomes, start_ns = asyncio.run(run_plan(plan, opts, limits, recorder=recorder, progress=progress))
+        if processes:
+            from tokentrace.bench.senders import run_in_processes
+
+            outcomes, start_ns = run_in_processes(plan.requests, opts, limits, processes=processes,
+                                                  listener=collector)
+        else:
+            outcomes, start_ns = asyncio.run(dispatch(plan.requests, opts, limits, listener=collector))
     finally:
         if progress is not None:
             progress.close()
         if recorder is not None:
             recorder.close()
     if recorder is None:
-        return BenchRun(tuple(outcomes), len(plan.requests), start_ns=start_ns)
+        return BenchRun(tuple(outcomes), len(plan.requests), start_ns=start_ns, num_processes=processes)
     sink = recorder.sink
     assert isinstance(sink, StoreWriter)
     # Every writer's config is merged into the run's manifest (the first to name a key wins).
     recorded = BENCH_CONFIG_KEY in read_manifest(sink.run_path).get("config", {})
     return BenchRun(tuple(outcomes), len(plan.requests), sink.run_id, sink.run_path, recorder.counters, recorded,
-                    start_ns)
+                    start_ns, processes)

@@ -28,8 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tokentrace.bench.client import FailureKind, Outcome
-from tokentrace.bench.requests import PlannedRequest
+from tokentrace.bench.requests import FailureKind, Outcome, PlannedRequest
 
 __all__ = ["METRICS", "SLO_METRICS", "parse_slo", "BenchSummary", "summarize", "render_text", "percentile_key"]
 

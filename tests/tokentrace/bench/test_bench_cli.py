@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
 from tokentrace.cli.commands.bench import EXIT_FAILED_REQUESTS, EXIT_USAGE, bench_command
+from tokentrace.schema import REQUESTS, TOKENS
 from tokentrace.store import open_run
 
 app = typer.Typer()
@@ -59,9 +61,24 @@ def test_server_down_completes_and_counts(dead_url):
     assert json.loads(r.stdout)["failures"]["connect"] == 6
 
 
+@pytest.mark.parametrize("processes", ["0", "3"])
+def test_the_summary_and_the_run_are_the_same_from_any_number_of_processes(fake_url, tmp_path, processes):
+    r = runner.invoke(app, ["--url", fake_url, "--output", "json", "--processes", processes, "--store", str(tmp_path),
+                            "--run", "p", "--rate", "50", "--slo", "ttft=5s", *BASE])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["num_prompts"], d["completed"], d["failed"], d["not_sent"]) == (6, 6, 0, 0)
+    assert d["total_output_tokens"] == 18 and d["processes"] == int(processes)
+    assert d["median_send_lag_ms"] is not None and d["request_goodput"] > 0
+    assert d["p99_itl_ms"] > 0  # 6 requests x 2 gaps, from whichever process received them
+    run = open_run(tmp_path, "p")
+    assert len(run.instances()) == 1 and len(run.table(REQUESTS.name)) == 6 and len(run.table(TOKENS.name)) == 18
+
+
 def test_bad_input_is_one_sentence_and_exit_2(fake_url):
     for args in (["--workload", "nope"], ["--tenants", "acme"], ["--slo", "ttft=fast"], ["--arrival", "zipf"],
-                 ["--input-len", "normal:3"], ["--output", "xml"], ["--endpoint", "embeddings"]):
-        r = runner.invoke(app, ["--url", fake_url, *args])
+                 ["--input-len", "normal:3"], ["--output", "xml"], ["--endpoint", "embeddings"],
+                 ["--processes", "-1"], ["--processes", "3", "--concurrency", "2"], ["--url", "http://"]):
+        r = runner.invoke(app, ["--url", fake_url, *args, "--max-requests", "1", "--duration", "5"])
         assert r.exit_code == EXIT_USAGE, args
         assert r.stderr.startswith("error: ") and "Traceback" not in r.output

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tokentrace.bench.client import FailureKind, RequestOptions, _Stream, new_client, send_request
+from tokentrace.bench.client import FailureKind, RequestOptions, new_pool, send_request
 from tokentrace.bench.requests import PlannedRequest, TextRequest
 
 
@@ -18,8 +18,8 @@ def _req(i: int = 0, **kw) -> PlannedRequest:
 def _send(url: str, model: str, *, endpoint: str = "completions", req: PlannedRequest | None = None, **opts):
     async def go():
         options = RequestOptions(url, endpoint=endpoint, model=model, **opts)
-        async with new_client(options) as client:
-            return await send_request(client, req or _req(), options)
+        async with new_pool(options) as pool:
+            return await send_request(pool, req or _req(), options)
 
     return asyncio.run(go())
 
@@ -72,8 +72,8 @@ def test_silence_longer_than_the_read_timeout_is_a_timeout(fake_url):
 def test_cancelling_returns_a_cancelled_outcome_with_what_arrived(fake_url):
     async def go():
         options = RequestOptions(fake_url, model="slow")
-        async with new_client(options) as client:
-            task = asyncio.create_task(send_request(client, _req(), options))
+        async with new_pool(options) as pool:
+            task = asyncio.create_task(send_request(pool, _req(), options))
             await asyncio.sleep(0.5)
             task.cancel()
             return await task
@@ -82,37 +82,10 @@ def test_cancelling_returns_a_cancelled_outcome_with_what_arrived(fake_url):
     assert o.cancelled and o.failure is None and not o.ok and len(o.recv_ns) == 1
 
 
-def _feed(st: _Stream, *events: bytes) -> None:
-    for i, e in enumerate(events):
-        st.feed(e, 1000 + i)
-
-
-def test_sse_framing_across_reads_and_crlf():
-    st = _Stream(chat=False)
-    st.feed(b'data: {"choices":[{"text":"a","finish_reason":null}]}\r\n\r\nda', 1)
-    st.feed(b'ta: {"choices":[{"text":"b","finish_reason":null}]}\n\n: comment\n\ndata: [DONE]\n\n', 2)
-    assert st.done and st.failure is None and st.token_times() == (1, 2)
-
-
-def test_empty_chunks_are_tokens_when_usage_says_so():
-    st = _Stream(chat=True)
-    _feed(st, b'data: {"choices":[{"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n',
-          b'data: {"choices":[{"delta":{"content":"x"},"finish_reason":"length"}]}\n\n',
-          b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n')
-    assert st.token_times() == (1000, 1001)  # the reference server's first chunk carries role and token
-
-
-def test_openai_bookkeeping_chunks_are_not_tokens_without_usage():
-    st = _Stream(chat=True)
-    _feed(st, b'data: {"choices":[{"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n',
-          b'data: {"choices":[{"delta":{"content":"x"},"finish_reason":null}]}\n\n',
-          b'data: {"choices":[{"delta":{"content":"y"},"finish_reason":null}]}\n\n',
-          b'data: {"choices":[{"delta":{"content":""},"finish_reason":"stop"}]}\n\n')
-    assert st.token_times() == (1001, 1002)
-
-
 def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="endpoint"):
         RequestOptions("http://x", endpoint="embeddings")
     with pytest.raises(ValueError, match="http"):
         RequestOptions("localhost:8000")
+    with pytest.raises(ValueError, match="host"):
+        RequestOptions("http://")

@@ -2,8 +2,9 @@
 
 Bad input (an unknown workload, a malformed ``--tenants`` or ``--slo``) is one
 sentence on stderr and exit code 2. Request failures are counted and shown; the
-exit code is 1 when any request failed only with ``--fail-on-error``.
-Heavy imports (httpx, the runner) happen inside the command, so registering it
+exit code is 1 when any request failed only with ``--fail-on-error``, and 1 when a
+sender process died (``--processes``; one sentence on stderr).
+Heavy imports (the runner, pyarrow) happen inside the command, so registering it
 costs the ``tokentrace`` CLI nothing.
 """
 
@@ -52,12 +53,14 @@ def bench_command(
     output: Annotated[str, typer.Option(help="text or json.")] = "text",
     fail_on_error: Annotated[bool, typer.Option("--fail-on-error", help="Exit 1 if any request failed.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every random choice (lengths, arrivals, tenants).")] = 0,
+    processes: Annotated[int, typer.Option(help="Client processes that send and time the requests (the plan dealt round-robin); this one only records and reports. 0 = send from this process.")] = 1,
 ) -> None:
     """Drive an OpenAI-compatible server and measure it from the client side."""
     from tokentrace.bench.arrivals import Arrivals
     from tokentrace.bench.client import RequestOptions
     from tokentrace.bench.plan import build_plan, parse_mix, parse_tenants
     from tokentrace.bench.runner import RunLimits
+    from tokentrace.bench.senders import shard_limits
     from tokentrace.bench.summary import parse_slo
     from tokentrace.bench.synthetic import LengthDist, SyntheticSpec
 
@@ -66,6 +69,10 @@ def bench_command(
     try:
         opts = RequestOptions(base_url=url, endpoint=endpoint, model=model, read_timeout_s=timeout)
         limits = RunLimits(duration_s=duration, drain_s=drain, concurrency=concurrency)
+        if processes < 0:
+            raise ValueError(f"--processes must be >= 0, got {processes}")
+        if processes:
+            shard_limits(limits, processes)  # --concurrency is split between the processes
         spec = SyntheticSpec(LengthDist.parse(input_len), LengthDist.parse(output_len), system_prompts,
                              system_prompt_share, system_prompt_len)
         slo_ms = parse_slo(slo) if slo else {}
@@ -79,17 +86,20 @@ def bench_command(
     except ValueError as err:
         _usage_error(str(err))
     _run_and_report(plan, opts, limits, slo_ms=slo_ms, store=store, run_id=run, output=output,
-                    fail_on_error=fail_on_error, settings={"endpoint": endpoint, "max_concurrency": concurrency,
-                                                           "request_rate": rate if math.isfinite(rate) else "inf",
-                                                           "burstiness": burstiness, "url": url})
+                    fail_on_error=fail_on_error, processes=processes,
+                    settings={"endpoint": endpoint, "max_concurrency": concurrency,
+                              "request_rate": rate if math.isfinite(rate) else "inf",
+                              "burstiness": burstiness, "url": url, "processes": processes})
 
 
 def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, float], store: Path | None,
-                    run_id: str | None, output: str, fail_on_error: bool, settings: dict[str, Any]) -> None:
+                    run_id: str | None, output: str, fail_on_error: bool, processes: int,
+                    settings: dict[str, Any]) -> None:
     from dataclasses import replace
 
     from tokentrace.bench.progress import LiveProgress
     from tokentrace.bench.runner import run_bench
+    from tokentrace.bench.senders import SenderFailed
     from tokentrace.bench.summary import render_text, summarize
 
     if not opts.model:
@@ -101,9 +111,12 @@ def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, floa
     progress = LiveProgress(len(plan.requests)) if output == "text" and sys.stderr.isatty() else None
     try:
         result = run_bench(plan, opts, limits, store=store, run_id=run_id, progress=progress,
-                           config={"settings": settings, "slo_ms": slo_ms})
+                           config={"settings": settings, "slo_ms": slo_ms}, processes=processes)
     except OSError as err:
         _usage_error(f"cannot write the store {store}: {err}")
+    except SenderFailed as err:  # what came back before is in the store
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(EXIT_FAILED_REQUESTS) from None
     summary = summarize(plan.requests, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
                         settings={**settings, "run_id": result.run_id, "workload": plan.config})
     if output == "json":
