@@ -38,6 +38,7 @@ without these classes is left alone.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import importlib
 import logging
@@ -90,6 +91,7 @@ def _keep_kernel_timestamps_on() -> bool:
     except OSError:
         return False
     _keeper.append(keeper)
+    atexit.register(keeper.close)
     return True
 
 
