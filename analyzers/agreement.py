@@ -17,6 +17,12 @@ reference clock (:meth:`tokentrace.clock.RunClocks.align`):
   ``sent_ns`` closes a chunk) and the client's ``i``-th chunk is compared with the
   server's ``i``-th: latencies and stage sums add up over a chunk's tokens. Without
   held-back tokens a chunk is a token;
+* a client that does not count every chunk the server sent (AIPerf counts only chunks whose
+  text is not empty; a server that writes empty chunks, such as the reference gateway before
+  it held such tokens back, sends more) is aligned by time instead of by position, per
+  request whose chunk counts differ: the client's chunk ``i`` is the server's latest chunk
+  sent by the client's receipt (plus :data:`CHUNK_TOLERANCE_NS`), and the
+  server chunks since the previous match add up into it, as held-back tokens do;
 * differences are server - client: a TTFT difference is normally negative (the
   client also waits for the network and for the server's accept/parse), an ITL
   difference is centred on zero (jitter of delivery).
@@ -38,7 +44,7 @@ from tokentrace.clock import RunClocks
 from tokentrace.schema import REQUESTS, TOKENS, col
 
 __all__ = ["client_token_times", "token_agreement", "ttft_agreement", "itl_agreement", "agreement_summary",
-           "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS"]
+           "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS", "CHUNK_TOLERANCE_NS"]
 
 CLIENT_NS = "client_ns"
 """Client-observed latency of the token (TTFT for token 0, ITL otherwise), ns."""
@@ -50,6 +56,12 @@ DIFF_NS = "diff_ns"
 """SERVER_NS - CLIENT_NS."""
 STAGE_DIFF_NS = "stage_diff_ns"
 """STAGE_SUM_NS - CLIENT_NS."""
+CHUNK_TOLERANCE_NS = 5_000_000
+"""When chunks are aligned by time, a client's receipt may read up to 5 ms before the server's
+send of the same chunk: a send is stamped when the write call returned, which on a busy event
+loop comes milliseconds after the bytes left (the real AIPerf run in tests/data shows 2-5 ms),
+plus the error of putting two clocks on one."""
+_DELIVERED = "delivered_ns"
 _SUMMARY_METRICS = (("ttft", DIFF_NS), ("itl", DIFF_NS), ("ttft_stages", STAGE_DIFF_NS), ("itl_stages", STAGE_DIFF_NS))
 
 
@@ -123,6 +135,62 @@ def _chunk_of(tokens: pa.Table, instances: pa.Table, server: pd.DataFrame) -> pd
     return chunk.where(~plain, server[col.TOKEN_INDEX].astype("float64"))
 
 
+def _token_times(tokens: pa.Table, instances: pa.Table, clients: bool) -> pd.DataFrame:
+    """(request_id, token_index, time) on the reference clock: the client's receipt, or the
+    server's send (a chunk written to the stream)."""
+    ids = client_instance_ids(instances)
+    tok = RunClocks.from_instances(instances).align(tokens, TOKENS.name)
+    tok = _only(tok, ids, clients) if ids else (tok if not clients else tok.slice(0, 0))
+    column = col.RECV_NS if clients else col.SENT_NS
+    df = tok.select([col.REQUEST_ID, col.TOKEN_INDEX, column]).to_pandas().rename(columns={column: _DELIVERED})
+    df = df.dropna(subset=[_DELIVERED])
+    return df.groupby([col.REQUEST_ID, col.TOKEN_INDEX], as_index=False)[_DELIVERED].min()
+
+
+def _align_by_time(chunks: pd.DataFrame, tokens: pa.Table, instances: pa.Table, has_sums: bool) -> pd.DataFrame:
+    """``chunks`` re-indexed as the client counts them, for streamed requests whose chunk counts
+    differ (see the module docstring); other requests keep their positions. Only a send time
+    bounds a receipt: an engine's emit may run ahead of the stream, so requests no server
+    process streamed are aligned by position."""
+    recv = _token_times(tokens, instances, clients=True)
+    if recv.empty or chunks.empty:
+        return chunks
+    delivered = _token_times(tokens, instances, clients=False).rename(columns={col.TOKEN_INDEX: "chunk"})
+    client_count = recv.groupby(col.REQUEST_ID)[col.TOKEN_INDEX].max() + 1
+    server_count = chunks.groupby(col.REQUEST_ID).size()
+    both = client_count.index.intersection(server_count.index).intersection(pd.Index(delivered[col.REQUEST_ID]))
+    differ = set(both[(client_count[both] != server_count[both]).to_numpy()])
+    if not differ:
+        return chunks
+    delivered["chunk"] = delivered["chunk"].astype("float64")
+    moved = chunks[chunks[col.REQUEST_ID].isin(differ)].merge(delivered, on=[col.REQUEST_ID, "chunk"], how="left")
+    rows = []
+    recv_of = {rid: g.sort_values(col.TOKEN_INDEX) for rid, g in recv[recv[col.REQUEST_ID].isin(differ)]
+               .groupby(col.REQUEST_ID)}
+    for rid, server in moved.sort_values([col.REQUEST_ID, col.TOKEN_INDEX]).groupby(col.REQUEST_ID):
+        times = server[_DELIVERED].to_numpy(dtype="float64")
+        lat = server[SERVER_NS].to_numpy(dtype="float64")
+        stage = (server[STAGE_SUM_NS].astype("Float64").to_numpy(dtype="float64", na_value=np.nan)
+                 if has_sums else None)
+        done = 0  # server chunks already given to earlier client chunks
+        for index, t in zip(recv_of[rid][col.TOKEN_INDEX], recv_of[rid][_DELIVERED]):
+            ok = np.nonzero(times[done:] <= t + CHUNK_TOLERANCE_NS)[0]
+            if ok.size == 0:
+                continue  # the server delivered nothing new by then: no comparison for this chunk
+            last = done + int(ok[-1])
+            row = {col.REQUEST_ID: rid, "chunk": float(times[last]), col.TOKEN_INDEX: int(index),
+                   SERVER_NS: lat[done:last + 1].sum()}
+            if stage is not None:
+                part = stage[done:last + 1]
+                row[STAGE_SUM_NS] = np.nan if np.isnan(part).all() else np.nansum(part)
+            rows.append(row)
+            done = last + 1
+    kept = chunks[~chunks[col.REQUEST_ID].isin(differ)]
+    if not rows:
+        return kept
+    return pd.concat([kept, pd.DataFrame(rows)], ignore_index=True)
+
+
 def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
                     spans: pa.Table | None = None) -> pd.DataFrame:
     """One row per chunk seen by both sides: request_id, token_index (the chunk's position in
@@ -144,6 +212,7 @@ def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
     agg = {SERVER_NS: "sum"} | ({STAGE_SUM_NS: lambda s: s.sum(min_count=1)} if sums is not None else {})
     chunks = server.groupby([col.REQUEST_ID, "chunk"], as_index=False).agg(agg)
     chunks[col.TOKEN_INDEX] = chunks.groupby(col.REQUEST_ID).cumcount().astype("int64")  # sorted by chunk
+    chunks = _align_by_time(chunks, tokens, instances, sums is not None)
     out = client.merge(chunks.drop(columns="chunk"), on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")
     out[SERVER_NS] = out[SERVER_NS].astype("int64")
     out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]

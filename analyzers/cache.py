@@ -94,17 +94,25 @@ def prefix_bound(manifest: Mapping[str, Any]) -> dict[str, float]:
 
 def prefix_hits(src: Source) -> pd.DataFrame:
     """One row: num_requests, prompt_tokens, cached_tokens, token_hit_rate, request_hit_rate,
-    best_token_hit_rate, best_block_hit_rate (NaN unless the bench recorded the trace's bound)."""
+    best_token_hit_rate, best_block_hit_rate (NaN unless the bench recorded the trace's bound).
+
+    The rates are over the requests whose cached-token count was reported: a server that does
+    not report it (a vLLM without the cache attribute on its spans) gets NaN rates, "not
+    measured", not a 0% hit rate.
+    """
     c = col
     df = src.df(f"""
         SELECT COUNT(*) AS num_requests, SUM({c.NUM_PROMPT_TOKENS}) AS prompt_tokens,
-               SUM(COALESCE({c.NUM_CACHED_TOKENS}, 0)) AS cached_tokens,
-               AVG(CASE WHEN COALESCE({c.NUM_CACHED_TOKENS}, 0) > 0 THEN 1.0 ELSE 0.0 END) AS request_hit_rate
+               SUM({c.NUM_PROMPT_TOKENS}) FILTER (WHERE {c.NUM_CACHED_TOKENS} IS NOT NULL) AS reported_prompt_tokens,
+               SUM({c.NUM_CACHED_TOKENS}) AS cached_tokens,
+               AVG(CASE WHEN {c.NUM_CACHED_TOKENS} > 0 THEN 1.0 ELSE 0.0 END)
+                   FILTER (WHERE {c.NUM_CACHED_TOKENS} IS NOT NULL) AS request_hit_rate
         FROM {request_table(src)} WHERE {c.NUM_PROMPT_TOKENS} > 0
     """)
     df["prompt_tokens"] = df["prompt_tokens"].fillna(0).astype("int64")
     df["cached_tokens"] = df["cached_tokens"].fillna(0).astype("int64")
-    df["token_hit_rate"] = df["cached_tokens"] / df["prompt_tokens"].where(df["prompt_tokens"] > 0)
+    reported = df["reported_prompt_tokens"].astype("float64")
+    df["token_hit_rate"] = df["cached_tokens"] / reported.where(reported > 0)
     bound = prefix_bound(src.manifest)
     for key in ("best_token_hit_rate", "best_block_hit_rate"):
         df[key] = bound.get(key, math.nan)

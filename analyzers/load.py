@@ -84,8 +84,12 @@ class LoadReport:
 
 def arrival_window(src: Source) -> tuple[int, int, int] | None:
     """(first arrival, last arrival, number of arrivals), ns on the reference clock; None without arrivals."""
+    # Each request's arrival as in the per-request facts (its earliest server-side row), without building
+    # them all when they are not there yet.
+    arrivals = (request_table(src) if src.is_cached("request_facts") else
+                f"(SELECT MIN({col.ARRIVAL_NS}) AS {col.ARRIVAL_NS} FROM srv_requests GROUP BY {col.REQUEST_ID})")
     row = src.con.execute(f"SELECT MIN({col.ARRIVAL_NS}), MAX({col.ARRIVAL_NS}), COUNT({col.ARRIVAL_NS}) "
-                          f"FROM {request_table(src)}").fetchone()
+                          f"FROM {arrivals}").fetchone()
     if row is None or row[0] is None:
         return None
     return int(row[0]), int(row[1]), int(row[2])
@@ -169,23 +173,25 @@ def stage_growth(src: Source, window: tuple[int, int]) -> pd.DataFrame:
     if a1 <= a0:
         return pd.DataFrame(columns=STAGE_COLUMNS)
     early_end, late_start = _thirds(a0, a1)
+    # Two passes over the spans, neither grouped per request: the span time of each (stage, role, part), and
+    # how many of each part's requests have a span at all (a semi-join on the spans' request ids).
+    req = f"""
+        SELECT {c.REQUEST_ID}, CASE WHEN {c.ARRIVAL_NS} < {early_end} THEN 'early'
+                                    WHEN {c.ARRIVAL_NS} >= {late_start} THEN 'late' END AS part
+        FROM {request_table(src)} WHERE {c.ARRIVAL_NS} IS NOT NULL"""
     df = src.df(f"""
-        WITH req AS (
-            SELECT {c.REQUEST_ID}, CASE WHEN {c.ARRIVAL_NS} < {early_end} THEN 'early'
-                                        WHEN {c.ARRIVAL_NS} >= {late_start} THEN 'late' END AS part
-            FROM {request_table(src)} WHERE {c.ARRIVAL_NS} IS NOT NULL
-        ), spans_of AS (
-            SELECT s.{c.REQUEST_ID}, s.{c.STAGE}, i.{c.ROLE} AS role_id, SUM(s.{c.END_NS} - s.{c.START_NS}) AS ns
-            FROM srv_spans s LEFT JOIN instances i USING ({c.INSTANCE_ID})
-            GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}, i.{c.ROLE}
-        ), counted AS (
-            SELECT part, COUNT(DISTINCT r.{c.REQUEST_ID}) AS n FROM req r
-            JOIN (SELECT DISTINCT {c.REQUEST_ID} FROM spans_of) USING ({c.REQUEST_ID})
-            WHERE part IS NOT NULL GROUP BY part
+        WITH req AS ({req}),
+        counted AS (
+            SELECT part, COUNT(*) AS n FROM req
+            WHERE part IS NOT NULL AND {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM srv_spans)
+            GROUP BY part
+        ), summed AS (
+            SELECT s.{c.STAGE}, i.{c.ROLE} AS role_id, r.part, SUM(s.{c.END_NS} - s.{c.START_NS}) AS ns
+            FROM srv_spans s JOIN req r USING ({c.REQUEST_ID}) LEFT JOIN instances i USING ({c.INSTANCE_ID})
+            WHERE r.part IS NOT NULL GROUP BY ALL
         )
-        SELECT sp.{c.STAGE}, sp.role_id, r.part, SUM(sp.ns)::DOUBLE / ANY_VALUE(k.n) / 1e6 AS ms
-        FROM spans_of sp JOIN req r USING ({c.REQUEST_ID}) JOIN counted k ON k.part = r.part
-        WHERE r.part IS NOT NULL GROUP BY ALL
+        SELECT su.{c.STAGE}, su.role_id, su.part, su.ns::DOUBLE / k.n / 1e6 AS ms
+        FROM summed su JOIN counted k ON k.part = su.part
     """)
     if df.empty:
         return pd.DataFrame(columns=STAGE_COLUMNS)

@@ -25,7 +25,7 @@ import pandas as pd
 
 from analyzers.groups import ALL, PERCENTILES, pct_name
 from analyzers.source import Source
-from analyzers.timing import request_table, run_bounds
+from analyzers.timing import request_table, run_start
 from tokentrace.schema import Stage, col
 
 __all__ = ["Queues", "queue_timeline", "queueing_delay", "littles_law", "queues"]
@@ -50,8 +50,8 @@ def queue_timeline(src: Source, *, bucket_s: float = 1.0) -> pd.DataFrame:
     if not (math.isfinite(bucket_s) and bucket_s > 0):
         raise ValueError(f"bucket_s must be a positive number of seconds, got {bucket_s!r}")
     c = col
-    bounds = run_bounds(src)
-    start = bounds[0] if bounds else src.scalar(f"SELECT MIN({c.START_NS}) FROM steps") or 0
+    first = run_start(src)
+    start = first if first is not None else src.scalar(f"SELECT MIN({c.START_NS}) FROM steps") or 0
     w = int(bucket_s * 1e9)
     return src.df(f"""
         SELECT {c.INSTANCE_ID}, FLOOR(({c.END_NS} - {start}) / {w}) * {float(bucket_s)} AS t_s,
@@ -69,13 +69,17 @@ def queueing_delay(src: Source) -> pd.DataFrame:
     """
     c = col
     qs = ", ".join(str(p / 100) for p in PERCENTILES)
+    # Every server-side request and its class, as in the per-request facts; without building them all.
+    classes = (request_table(src) if src.is_cached("request_facts") else
+               f"(SELECT {c.REQUEST_ID}, COALESCE(MAX({c.SLO_CLASS}), '') AS {c.SLO_CLASS} FROM srv_requests "
+               f"GROUP BY {c.REQUEST_ID})")
     df = src.df(f"""
         WITH q AS (
             SELECT {c.REQUEST_ID}, SUM({c.END_NS} - {c.START_NS}) AS ns FROM srv_spans
             WHERE {c.STAGE} = {int(Stage.SCHEDULE_QUEUE)} GROUP BY {c.REQUEST_ID}
         ), r AS (
             SELECT f.{c.SLO_CLASS} AS cls, COALESCE(q.ns, 0) / 1e6 AS ms
-            FROM {request_table(src)} f LEFT JOIN q USING ({c.REQUEST_ID})
+            FROM {classes} f LEFT JOIN q USING ({c.REQUEST_ID})
         )
         SELECT cls, COUNT(*) AS count, AVG(ms) AS mean_ms, quantile_cont(ms, [{qs}]) AS q, MAX(ms) AS max_ms
         FROM (SELECT cls, ms FROM r UNION ALL SELECT '{ALL}' AS cls, ms FROM r)

@@ -110,7 +110,15 @@ def resolve_targets(src: Source, classes: list[str],
 
 def request_slo(src: Source, targets: Mapping[str, SloTargets] | None = None) -> pd.DataFrame:
     """One row per request: request_id, slo_class_name, arrival_ns, ttft_ms, tpot_ms, failed, ttft_ok,
-    tpot_ok, ok. The verdicts are True, False or None (not measured); see the module doc."""
+    tpot_ok, ok. The verdicts are True, False or None (not measured); see the module doc.
+
+    Computed once per source and targets (attainment and goodput both judge every request); each call
+    returns its own copy."""
+    key = "request_slo:" + repr(sorted((targets or {}).items()))
+    return src.cached(key, lambda: _request_slo(src, targets)).copy()
+
+
+def _request_slo(src: Source, targets: Mapping[str, SloTargets] | None) -> pd.DataFrame:
     c = col
     f = src.df(f"""
         WITH reported AS (SELECT {c.REQUEST_ID}, MAX({c.NUM_OUTPUT_TOKENS}) AS reported FROM srv_requests
@@ -122,8 +130,9 @@ def request_slo(src: Source, targets: Mapping[str, SloTargets] | None = None) ->
         WHERE f.{c.ARRIVAL_NS} IS NOT NULL ORDER BY f.{c.ARRIVAL_NS}, f.{c.REQUEST_ID}
     """)
     tg = resolve_targets(src, sorted(f[c.SLO_CLASS].unique().tolist()), targets)
-    ttft_t = f[c.SLO_CLASS].map(lambda k: tg[k].ttft_ms).astype(float)
-    tpot_t = f[c.SLO_CLASS].map(lambda k: tg[k].tpot_ms).astype(float)
+    classes = f[c.SLO_CLASS].astype("category")  # a few classes: map each once, not each request
+    ttft_t = classes.map({k: t.ttft_ms for k, t in tg.items()}).astype(float)
+    tpot_t = classes.map({k: t.tpot_ms for k, t in tg.items()}).astype(float)
     failed = (f["status"] != int(RequestStatus.OK)).to_numpy()
     ttft_ok = np.where(failed, False, np.where(f["ttft_ms"].isna(), None, f["ttft_ms"] <= ttft_t))
     one_token = (f["num_tokens"] <= 1).to_numpy()
@@ -132,9 +141,16 @@ def request_slo(src: Source, targets: Mapping[str, SloTargets] | None = None) ->
     f["failed"] = failed
     f["ttft_ok"] = pd.Series(ttft_ok, index=f.index, dtype=object)
     f["tpot_ok"] = pd.Series(tpot_ok, index=f.index, dtype=object)
-    f["ok"] = [_both(a, b) for a, b in zip(f["ttft_ok"], f["tpot_ok"])]
-    f["ok"] = f["ok"].astype(object)
+    f["ok"] = pd.Series(_both_all(ttft_ok, tpot_ok), index=f.index, dtype=object)
     return f.drop(columns=["status", "num_tokens"])
+
+
+def _both_all(ttft_ok: np.ndarray, tpot_ok: np.ndarray) -> np.ndarray:
+    """:func:`_both` of every pair of verdicts (object arrays of True, False, None), without a Python loop."""
+    a, b = np.asarray(ttft_ok, dtype=object), np.asarray(tpot_ok, dtype=object)
+    missed = (a == False) | (b == False)  # noqa: E712 - elementwise over True, False and None
+    unknown = pd.isna(a) | pd.isna(b)
+    return np.where(missed, False, np.where(unknown, None, True)).astype(object)
 
 
 def _both(ttft_ok: object, tpot_ok: object) -> object:

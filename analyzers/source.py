@@ -131,6 +131,11 @@ class Source:
         row = self.con.execute(sql).fetchone()
         return None if row is None else row[0]
 
+    def is_cached(self, key: str) -> bool:
+        """True when :meth:`cached` has built ``key`` already (an analysis may then reuse it instead of a
+        cheaper query of its own)."""
+        return key in self._cache
+
     def cached(self, key: str, build: Any) -> Any:
         """``build()`` once per source and key; later calls return the same object."""
         if key not in self._cache:

@@ -44,29 +44,59 @@ for _row, _stage in enumerate(Stage):
 _KINDS = ("ttft", "itl")
 
 
-def _materialize_tokens(src: Source, g: str, tail_fraction: float) -> None:
-    """Temp tables ``bd_tok`` (every delivered token: request, index, latency, first?, group) and
-    ``bd_tail`` (the slowest ceil(tail_fraction * n) tokens of each (group, kind))."""
+def _tokens_sql(src: Source, g: str) -> str:
+    """SQL of every delivered token: request, index, interval (t0, t1), latency (lat), group (grp), first?.
+
+    Without a grouping this is a view of :func:`analyzers.timing.token_times`; with one, the tokens are joined
+    to their request's group once, into the temp table ``bd_tok``."""
     c = col
     tt = token_times(src)
+    columns = f"{c.REQUEST_ID}, {c.TOKEN_INDEX}, {TOKEN_START} AS t0, {TOKEN_END} AS t1, {LATENCY} AS lat"
     if g == "0":
-        source = f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {LATENCY} AS lat, 0 AS grp FROM {tt}"
-    else:
-        source = (f"SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat, {g} AS grp "
-                  f"FROM {tt} t JOIN {request_table(src)} f USING ({c.REQUEST_ID})")
-    src.con.execute(f"CREATE OR REPLACE TEMP TABLE bd_tok AS SELECT *, {c.TOKEN_INDEX} = 0 AS first FROM ({source})")
-    # Candidates first (>= a quantile that keeps at least twice the tail), then the exact top k:
-    # ranking only the candidates avoids sorting every token.
+        return f"SELECT {columns}, 0 AS grp, {c.TOKEN_INDEX} = 0 AS first FROM {tt}"
+    src.con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE bd_tok AS
+        SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{TOKEN_START} AS t0, t.{TOKEN_END} AS t1, t.{LATENCY} AS lat,
+               {g} AS grp, t.{c.TOKEN_INDEX} = 0 AS first
+        FROM {tt} t JOIN {request_table(src)} f USING ({c.REQUEST_ID})
+    """)
+    return "SELECT * FROM bd_tok"
+
+
+def _tail_cuts(src: Source, tokens: str, tail_fraction: float) -> None:
+    """Temp table ``bd_cut``: per (group, kind), the last token of its tail: the k-th slowest of its n tokens,
+    k = ceil(tail_fraction * n) (at least 1), ties ordered by request id then token index.
+
+    A token is in the tail when it ranks at or before that one (:data:`_IN_TAIL`): no table of tail tokens is
+    joined to the spans. Candidates first (>= a quantile that keeps at least twice the tail), then the exact
+    rank: ranking only the candidates avoids sorting every token."""
+    c = col
     q = max(0.0, 1.0 - 2.0 * tail_fraction)
     src.con.execute(f"""
-        CREATE OR REPLACE TEMP TABLE bd_tail AS
-        WITH q AS (SELECT grp, first, COUNT(*) AS n, quantile_disc(lat, {q}) AS cut FROM bd_tok GROUP BY grp, first)
-        SELECT b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}, b.grp, b.first, b.lat
-        FROM bd_tok b JOIN q ON b.grp IS NOT DISTINCT FROM q.grp AND b.first = q.first
-        WHERE b.lat >= q.cut
-        QUALIFY ROW_NUMBER() OVER (PARTITION BY b.grp, b.first ORDER BY b.lat DESC, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX})
-                <= GREATEST(1, CEIL(q.n * {tail_fraction}))
+        CREATE OR REPLACE TEMP TABLE bd_cut AS
+        WITH tok AS ({tokens}),
+        q AS (SELECT grp, first, COUNT(*) AS n, quantile_disc(lat, {q}) AS cut FROM tok GROUP BY grp, first),
+        ranked AS (
+            SELECT b.grp, b.first, b.lat, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}, q.n,
+                   ROW_NUMBER() OVER (PARTITION BY b.grp, b.first
+                                      ORDER BY b.lat DESC, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}) AS rank
+            FROM tok b JOIN q ON b.grp IS NOT DISTINCT FROM q.grp AND b.first = q.first
+            WHERE b.lat >= q.cut
+        )
+        SELECT grp, first, lat AS cut_lat, {c.REQUEST_ID} AS cut_request, {c.TOKEN_INDEX} AS cut_index
+        FROM ranked WHERE rank = GREATEST(1, CEIL(n * {tail_fraction}))
     """)
+
+
+_IN_TAIL = (f"(k.lat > u.cut_lat OR (k.lat = u.cut_lat AND (k.{col.REQUEST_ID} < u.cut_request "
+            f"OR (k.{col.REQUEST_ID} = u.cut_request AND k.{col.TOKEN_INDEX} <= u.cut_index))))")
+"""True for a token (alias ``k``) ranked at or before its group's tail cut (alias ``u``, a ``bd_cut`` row)."""
+
+
+def _with_tail(tokens: str) -> str:
+    """``tokens`` with a ``tail`` column, from the cuts in ``bd_cut``."""
+    return (f"SELECT k.*, {_IN_TAIL} AS tail FROM ({tokens}) k "
+            f"JOIN bd_cut u ON k.grp IS NOT DISTINCT FROM u.grp AND k.first = u.first")
 
 
 def token_spans(src: Source) -> str:
@@ -91,18 +121,20 @@ def token_spans(src: Source) -> str:
     return src.cached("token_spans", build)
 
 
-def _stage_sums(src: Source) -> pd.DataFrame:
-    """Per (group, kind, stage): summed in-interval span time of the delivered tokens and of the tail tokens."""
+def _stage_sums(src: Source, tokens: str) -> pd.DataFrame:
+    """Per (group, kind, stage): summed in-interval span time of the delivered tokens and of the tail tokens.
+
+    One pass: each span joined to its token (``tokens`` with its tail flag) and clipped to the token's interval
+    as :func:`token_spans` does, summed straight into the few result rows (no per-span table is written)."""
     c = col
-    kind = f"CASE WHEN s.{c.TOKEN_INDEX} = 0 THEN 'ttft' ELSE 'itl' END"
+    clipped = f"GREATEST(0, LEAST(s.{c.END_NS}, k.t1) - GREATEST(s.{c.START_NS}, k.t0))"
     return src.df(f"""
-        SELECT k.grp, {kind} AS kind, s.{c.STAGE} AS stage, SUM(s.ns)::DOUBLE AS ns,
-               SUM(CASE WHEN t.{c.REQUEST_ID} IS NOT NULL THEN s.ns ELSE 0 END)::DOUBLE AS tail_ns
-        FROM {token_spans(src)} s
-        JOIN bd_tok k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
-        LEFT JOIN bd_tail t ON s.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+        SELECT k.grp, k.first, s.{c.STAGE} AS stage,
+               SUM({clipped})::DOUBLE AS ns, COALESCE(SUM({clipped}) FILTER (WHERE k.tail), 0)::DOUBLE AS tail_ns
+        FROM srv_spans s
+        JOIN ({_with_tail(tokens)}) k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
         GROUP BY ALL
-    """)
+    """).assign(kind=lambda f: np.where(f["first"].astype(bool), "ttft", "itl"))
 
 
 def breakdown(src: Source, *, by: str | None = None, window_s: float | None = None,
@@ -120,16 +152,15 @@ def breakdown(src: Source, *, by: str | None = None, window_s: float | None = No
     if window_s is not None:
         b = run_bounds(src)
         start = b[0] if b else 0
-    _materialize_tokens(src, group_sql(by, window_s, alias="f", start_ns=start), tail_fraction)
-    tot = src.df("""
-        SELECT k.grp, CASE WHEN k.first THEN 'ttft' ELSE 'itl' END AS kind, COUNT(*) AS n,
-               SUM(k.lat)::DOUBLE AS lat, ANY_VALUE(t.tail_lat) AS tail_lat
-        FROM bd_tok k LEFT JOIN (SELECT grp, first, SUM(lat)::DOUBLE AS tail_lat FROM bd_tail GROUP BY grp, first) t
-          ON k.grp IS NOT DISTINCT FROM t.grp AND k.first = t.first
-        GROUP BY k.grp, k.first
+    tokens = _tokens_sql(src, group_sql(by, window_s, alias="f", start_ns=start))
+    _tail_cuts(src, tokens, tail_fraction)
+    tot = src.df(f"""
+        SELECT grp, CASE WHEN first THEN 'ttft' ELSE 'itl' END AS kind, COUNT(*) AS n,
+               SUM(lat)::DOUBLE AS lat, SUM(lat) FILTER (WHERE tail)::DOUBLE AS tail_lat
+        FROM ({_with_tail(tokens)}) GROUP BY grp, first
     """)
-    per = _stage_sums(src)
-    src.con.execute("DROP TABLE IF EXISTS bd_tok; DROP TABLE IF EXISTS bd_tail")
+    per = _stage_sums(src, tokens)
+    src.con.execute("DROP TABLE IF EXISTS bd_tok; DROP TABLE IF EXISTS bd_cut")
     groups = sorted(tot["grp"].unique().tolist()) if gcol is not None else [0]
     frames = []
     for grp in groups:

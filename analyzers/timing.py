@@ -29,7 +29,7 @@ import pyarrow as pa
 from analyzers.source import Source
 from tokentrace.schema import col
 
-__all__ = ["token_intervals", "request_facts", "token_times", "token_steps", "request_table", "run_bounds",
+__all__ = ["token_intervals", "request_facts", "token_times", "token_steps", "request_table", "run_bounds", "run_start",
            "TOKEN_START", "TOKEN_END", "LATENCY", "LAST_TOKEN", "TTFT_NS", "TPOT_NS", "E2E_NS"]
 
 TOKEN_START = "token_start_ns"
@@ -48,14 +48,66 @@ E2E_NS = "e2e_ns"
 def token_times(src: Source) -> str:
     """Name of the temp table with one row per delivered output token.
 
-    Columns: request_id, token_index, token_start_ns, token_end_ns, latency_ns.
-    A token ends when a server process sent it to its client; failing that, when
+    Columns: request_id, token_index, token_start_ns, token_end_ns, latency_ns (and, when one server
+    process recorded every token, ``repeated_token``: always false; read the named columns). A token ends when a server process sent it to its client; failing that, when
     the streaming process received it and held it back (no text yet: it went out
     with the next chunk); failing that, when the engine emitted it.
     """
     def build() -> str:
-        c = col
-        src.con.execute(f"""
+        # One server process recorded the tokens (a colocated engine): each token has one row (the schema's
+        # contract), so the rows need no grouping per token. The window below checks that contract and any
+        # repeated token falls back to the grouped query.
+        if src.scalar(f"SELECT COUNT(DISTINCT {col.INSTANCE_ID}) FROM srv_tokens") == 1:
+            src.con.execute(_one_row_per_token_sql())
+            if not src.scalar(f"SELECT bool_or({_REPEATED}) FROM token_times"):
+                src.cached(_ONE_ROW_PER_TOKEN, lambda: True)
+                return "token_times"
+        src.cached(_ONE_ROW_PER_TOKEN, lambda: False)
+        src.con.execute(_grouped_sql())
+        return "token_times"
+    return src.cached("token_times", build)
+
+
+_ONE_ROW_PER_TOKEN = "one_row_per_token"  # Source cache key: the server's token rows are one per token
+
+
+def _one_row_per_token(src: Source) -> bool:
+    """True when one server process recorded every token, once (checked while building :func:`token_times`)."""
+    token_times(src)
+    return bool(src.cached(_ONE_ROW_PER_TOKEN, lambda: False))
+
+
+_REPEATED = "repeated_token"
+"""Column of ``token_times`` built from one server process: true on a row whose token the previous row had."""
+
+
+def _one_row_per_token_sql() -> str:
+    """``token_times`` from rows that are one per token (no GROUP BY); ``repeated_token`` marks a broken contract."""
+    c = col
+    t_end = f"COALESCE(t.{c.SENT_NS}, t.{c.RECV_NS}, t.{c.EMIT_NS})"
+    start = f"CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END"
+    return f"""
+        CREATE OR REPLACE TEMP TABLE token_times AS
+        WITH arrivals AS (
+            SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM srv_requests GROUP BY {c.REQUEST_ID}
+        ), ordered AS (
+            SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, {t_end} AS t_end, a.arrival,
+                   LAG({t_end}) OVER w AS prev_end, LAG(t.{c.TOKEN_INDEX}) OVER w AS prev_index
+            FROM srv_tokens t JOIN arrivals a USING ({c.REQUEST_ID})
+            WHERE {t_end} IS NOT NULL
+            WINDOW w AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX})
+        )
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {start} AS {TOKEN_START}, t_end AS {TOKEN_END},
+               t_end - {start} AS {LATENCY}, COALESCE(prev_index = {c.TOKEN_INDEX}, false) AS {_REPEATED}
+        FROM ordered
+        WHERE ({c.TOKEN_INDEX} = 0 AND arrival IS NOT NULL) OR ({c.TOKEN_INDEX} > 0 AND prev_end IS NOT NULL)
+    """
+
+
+def _grouped_sql() -> str:
+    """``token_times`` from any rows: each token's times grouped over the processes that recorded it."""
+    c = col
+    return f"""
         CREATE OR REPLACE TEMP TABLE token_times AS
         WITH arrivals AS (
             SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM srv_requests GROUP BY {c.REQUEST_ID}
@@ -75,9 +127,7 @@ def token_times(src: Source) -> str:
                t_end - CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {LATENCY}
         FROM ordered
         WHERE ({c.TOKEN_INDEX} = 0 AND arrival IS NOT NULL) OR ({c.TOKEN_INDEX} > 0 AND prev_end IS NOT NULL)
-        """)
-        return "token_times"
-    return src.cached("token_times", build)
+    """
 
 
 def token_steps(src: Source) -> str:
@@ -85,6 +135,13 @@ def token_steps(src: Source) -> str:
     each token first (null step / instance when no server row has an emit time)."""
     def build() -> str:
         c = col
+        if _one_row_per_token(src):  # one row per token already: nothing to choose between
+            src.con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE token_steps AS
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.INSTANCE_ID}, {c.STEP}
+            FROM srv_tokens WHERE {c.EMIT_NS} IS NOT NULL
+            """)
+            return "token_steps"
         src.con.execute(f"""
         CREATE OR REPLACE TEMP TABLE token_steps AS
         SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, arg_min({c.INSTANCE_ID}, {c.EMIT_NS}) AS {c.INSTANCE_ID},
@@ -154,14 +211,30 @@ def run_bounds(src: Source) -> tuple[int, int] | None:
     """(start, end) of the run on the reference clock, ns: first arrival to last finish or token.
 
     ``None`` when no request has an arrival time.
+
+    The same figures as over the per-request facts (:func:`request_table`: first arrival, latest finish or
+    last token), read from the requests' rows and :func:`token_times` so that the facts need not be built.
     """
-    rf = request_table(src)
+    c = col
     row = src.con.execute(f"""
-        SELECT MIN({col.ARRIVAL_NS}), GREATEST(MAX({col.FINISH_NS}), MAX({LAST_TOKEN})) FROM {rf}
+        SELECT (SELECT MIN({c.ARRIVAL_NS}) FROM srv_requests),
+               GREATEST((SELECT MAX({c.FINISH_NS}) FROM srv_requests), (SELECT MAX({TOKEN_END}) FROM {token_times(src)}))
     """).fetchone()
     if row is None or row[0] is None or row[1] is None:
         return None
     return int(row[0]), int(row[1])
+
+
+def run_start(src: Source) -> int | None:
+    """``run_bounds(src)[0]`` (None when ``run_bounds`` is None), without the token times when the requests'
+    own rows show the run has an end (some request has a finish time): then the start is just the first
+    server-side arrival."""
+    c = col
+    row = src.con.execute(f"SELECT MIN({c.ARRIVAL_NS}), MAX({c.FINISH_NS}) FROM srv_requests").fetchone()
+    if row is not None and row[0] is not None and row[1] is not None:
+        return int(row[0])
+    bounds = run_bounds(src)  # no finish recorded: the end is the last token (needs the token times)
+    return None if bounds is None else bounds[0]
 
 
 def token_intervals(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:

@@ -8,14 +8,17 @@ drift of a shared machine hits both arms alike. Per round: output tokens per sec
 wall time and the client-side inter-token latency p50 (median over requests of each
 request's mean time between SSE chunks).
 
-Prints one line per round, the medians per arm, the machine, and last::
+Prints one line per round, the medians per arm, the share of the process's CPU time the
+recorder's flush thread took in traced rounds (CPU time, not wall time: it does not move with
+the load of a shared machine, so it isolates what the flush and the crash journal cost), the
+machine, and last::
 
     instrumented_vs_bare_throughput=<median over rounds of traced tokens/s / bare tokens/s>
 
 Target: >= 0.98 (at most 2% overhead). Run: ``python benchmarks/overhead.py [--model tiny]
-[--flush-interval-s 1]`` (defaults: the ``small`` preset, a 5 s flush period as ``tokentrace run``
-uses; the ``tiny`` preset makes a token so cheap (~0.4 ms on 2 CPU cores) that the tracer's ~10
-us per token shows as ~3%).
+[--flush-interval-s 1] [--journal-interval-s 0]`` (defaults: the ``small`` preset, a 5 s flush
+period and a 0.25 s crash journal as ``tokentrace run`` uses; the ``tiny`` preset makes a token
+so cheap (~0.4 ms on 2 CPU cores) that the tracer's ~10 us per token shows as ~3%).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="small", help="model preset (tiny, small)")
     p.add_argument("--flush-interval-s", type=float, default=5.0,
                    help="recorder flush period (tokentrace run's default; the recorder's own is 1 s)")
+    p.add_argument("--journal-interval-s", type=float, default=0.25,
+                   help="crash-journal period (tokentrace run's default); 0 turns the journal off")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     return p.parse_args(argv)
@@ -88,6 +94,14 @@ async def _round(url: str, args: argparse.Namespace) -> tuple[float, float]:
     return sum(counts) / wall, statistics.median(gaps) * 1e3
 
 
+def _flush_thread_clock() -> int | None:
+    """The CPU-time clock of the recorder's flush thread (Linux), or None."""
+    thread = next((t for t in threading.enumerate() if t.name == "tokentrace-flush"), None)
+    if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    return time.pthread_getcpuclockid(thread.ident)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -95,16 +109,24 @@ def main(argv: list[str] | None = None) -> None:
                        max_num_seqs=64, max_num_batched_tokens=2048)
     app = create_app(LocalBackend(cfg), config=GatewayConfig())
     results: dict[str, list[tuple[float, float]]] = {"bare": [], "traced": []}
+    flush_cpu_s = process_cpu_s = 0.0  # traced rounds: the flush thread's CPU time, the whole process's
     with tempfile.TemporaryDirectory() as store, serve_in_thread(app) as server:
         asyncio.run(_round(server.url, args))  # warm-up: model, allocator, connections
         for r in range(args.rounds):
             for arm in (("bare", "traced") if r % 2 == 0 else ("traced", "bare")):
-                handle = (tokentrace.instrument(app, store=store, run=f"ab-{r}", flush_interval_s=args.flush_interval_s)
+                journal = args.journal_interval_s or None
+                handle = (tokentrace.instrument(app, store=store, run=f"ab-{r}", flush_interval_s=args.flush_interval_s,
+                                                journal_interval_s=journal)
                           if arm == "traced" else None)
+                clock = _flush_thread_clock() if handle is not None else None
+                cpu0 = (time.clock_gettime(clock) if clock is not None else 0.0, time.process_time())
                 try:
                     tput, itl = asyncio.run(_round(server.url, args))
                 finally:
                     if handle is not None:
+                        if clock is not None:
+                            flush_cpu_s += time.clock_gettime(clock) - cpu0[0]
+                            process_cpu_s += time.process_time() - cpu0[1]
                         handle.close()
                         dropped = handle.counters["dropped"] + handle.counters["sink_errors"]
                         if dropped:
@@ -119,10 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     pairs = list(zip(results["traced"], results["bare"]))
     tput_ratio = statistics.median(t / b for (t, _), (b, _) in pairs)
     itl_ratio = statistics.median(t / b for (_, t), (_, b) in pairs)
+    if process_cpu_s:
+        print(f"flush thread CPU in traced rounds: {flush_cpu_s * 1e3:.0f} ms of {process_cpu_s:.1f} s "
+              f"({100 * flush_cpu_s / process_cpu_s:.2f}% of the process)")
     device = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, {device}, python "
           f"{platform.python_version()}, torch {torch.__version__}, model {args.model}, "
-          f"concurrency {args.concurrency}, {args.rounds} rounds per arm, flush every {args.flush_interval_s} s")
+          f"concurrency {args.concurrency}, {args.rounds} rounds per arm, flush every {args.flush_interval_s} s, "
+          f"journal every {args.journal_interval_s or 'never'} s")
     print(f"instrumented_vs_bare_itl_p50={itl_ratio:.4f}")
     print(f"instrumented_vs_bare_throughput={tput_ratio:.4f}")
 

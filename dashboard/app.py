@@ -16,7 +16,7 @@ import dash
 import flask
 from dash import html
 
-from dashboard.components import figures
+from dashboard.components import figures, new_runs
 from dashboard.components.controls import register_callbacks
 from dashboard.components.shell import SOURCE_KEY
 from dashboard.data import DataSource
@@ -49,8 +49,9 @@ def create_app(store_path: str | os.PathLike[str], *, live: bool = False, refres
     _serve_plotly_bundle(app)
     app.server.config[SOURCE_KEY] = src
     app.server.config["TOKENTRACE_REFRESH_S"] = refresh_s
-    app.layout = html.Div([dash.page_container], className="tt-app")
+    app.layout = html.Div([dash.page_container, *new_runs.frame_parts(refresh_s)], className="tt-app")
     register_callbacks(app)
+    new_runs.register_callbacks(app)
     # Take this app's share of the callbacks the page modules registered with dash.callback now,
     # rather than at the first browser request, so that a second app built in the same process gets
     # its own: Dash does this before the first request it serves, so serve it one, in-process.

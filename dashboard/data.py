@@ -34,8 +34,10 @@ import pandas as pd
 import tokentrace
 from tokentrace.analysis import Run
 from tokentrace.clock import latest_instances
+from tokentrace.report.render_names import instance_labels
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TABLES, TOKENS, col
 from tokentrace.store import RunInfo, StoreError
+from tokentrace.store.reader import find_run_dirs
 
 __all__ = ["DataSource", "RequestTrace", "downsample", "series_window_s", "warm_calls", "MAX_POINTS",
            "MAX_LISTED_REQUESTS"]
@@ -46,8 +48,8 @@ MAX_LISTED_REQUESTS = 10_000
 """The request explorer lists (filters, sorts, pages) the slowest this many requests of a run."""
 _WINDOWS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600)  # time-series window ladder, s
 _NUM_WINDOWS = 120  # about this many windows over a run
-_RUN_LIST_TTL_S = {True: 2.0, False: float("inf")}  # live, static: how long a listing of runs is trusted
-# (static mode lists again only when a URL names a run it does not know)
+_RUN_LIST_TTL_S = {True: 2.0, False: 5.0}  # live, static: how long a listing of runs is trusted
+# (runs added to the store later are found in both modes; a finished run's files are fingerprinted once in static mode)
 _MAX_REQUEST_ID_CHARS = 20  # a 63-bit integer in decimal
 
 
@@ -99,7 +101,7 @@ class DataSource:
         self._analyses = _Lru(8)  # (run id, version) -> RunAnalysis
         self._run_locks: dict[str, threading.RLock] = {}
         self._locks_lock = threading.Lock()
-        self._listing: tuple[float, list[RunInfo]] | None = None
+        self._listing: tuple[float, tuple[str, ...], list[RunInfo]] | None = None
         self._static_versions: dict[str, Hashable] = {}
 
     # ------------------------------------------------------------------ runs
@@ -109,9 +111,14 @@ class DataSource:
         now = time.monotonic()
         listing = self._listing
         if listing is not None and now - listing[0] < _RUN_LIST_TTL_S[self.live]:
-            return listing[1]
+            return listing[2]
+        if listing is not None and not self.live:  # a finished run does not change: list again only for a new one
+            folders = tuple(p.name for p in find_run_dirs(self.store))
+            if folders == listing[1]:
+                self._listing = (now, folders, listing[2])
+                return listing[2]
         infos = tokentrace.runs(self.store)
-        self._listing = (now, infos)
+        self._listing = (now, tuple(Path(i.path).name for i in infos), infos)
         return infos
 
     def resolve(self, run_id: str | None) -> str:
@@ -190,6 +197,35 @@ class DataSource:
 
         return self.cached(rid, key, compute)
 
+    def compute(self, run_id: str, call: str, **kwargs: Hashable) -> Any:
+        """One of :func:`warm_calls`' calls: ``capacity.<function>`` (:meth:`capacity`) or a ``RunAnalysis``
+        method (:meth:`result`), cached."""
+        if call.startswith(_CAPACITY):
+            return self.capacity(run_id, call[len(_CAPACITY):], **kwargs)
+        return self.result(run_id, call, **kwargs)
+
+    def capacity(self, run_id: str, function: str, **kwargs: Hashable) -> Any:
+        """``analyzers.capacity.<function>(source, **kwargs)`` of the run, cached (see :meth:`cached`)."""
+        from analyzers import capacity
+
+        if function not in capacity.__all__ or not callable(getattr(capacity, function)):
+            raise StoreError(f"no capacity analysis {function[:40]!r}")
+        rid = self.resolve(run_id)
+
+        def compute() -> Any:
+            return getattr(capacity, function)(self._analysis(rid, self.version(rid)).source, **kwargs)
+
+        return self.cached(rid, ("capacity", function, tuple(sorted(kwargs.items()))), compute)
+
+    def instance_names(self, run_id: str) -> dict[int, str]:
+        """Instance id -> the name a person reads (``prefill-0``), for every traced process of the run."""
+        rid = self.resolve(run_id)
+
+        def compute() -> dict[int, str]:
+            return instance_labels(latest_instances(self.open(rid).table(INSTANCES.name)))
+
+        return self.cached(rid, "instance_names", compute)
+
     def diff(self, candidate: str, baseline: str) -> pd.DataFrame:
         """``analyzers`` diff of two validated runs (candidate against baseline), cached."""
         cand, base = self.resolve(candidate), self.resolve(baseline)
@@ -213,7 +249,7 @@ class DataSource:
         def work() -> None:
             for method, kwargs in calls:
                 try:
-                    self.result(rid, method, **kwargs)
+                    self.compute(rid, method, **kwargs)
                 except Exception:  # noqa: BLE001 - warming is best effort; the page will show the error
                     pass
 
@@ -290,15 +326,23 @@ def series_window_s(duration_ns: int) -> int:
     return next((w for w in _WINDOWS_S if w >= wanted), _WINDOWS_S[-1])
 
 
+_CAPACITY = "capacity."  # prefix of the capacity analyses among warm_calls
+
+
 def warm_calls(info: RunInfo) -> list[tuple[str, dict[str, Hashable]]]:
-    """The analyzer calls the views make for a run by default (what warming computes ahead)."""
+    """The analyzer calls the views make for a run by default (what warming computes ahead), the Overview's
+    first; ``capacity.<function>`` names an :mod:`analyzers.capacity` function (:meth:`DataSource.compute`)."""
+    w = series_window_s(info.duration_ns)
     return [
-        ("load", {}), ("latency", {}), ("latency", {"window_s": series_window_s(info.duration_ns)}), ("slo", {}),
-        ("goodput", {}), ("attribution", {}),
-        ("stage_breakdown", {"by": None}), ("stage_breakdown", {"by": "tenant"}),
-        ("stage_breakdown", {"by": "slo_class"}), ("critical_path", {}), ("queues", {}), ("cache", {}),
-        ("pd_ratio", {}), ("batch", {}), ("interference", {}), ("tenants", {}), ("noisy_neighbours", {}),
+        ("load", {}), ("latency", {}), ("latency", {"window_s": w}), ("slo", {}),
+        ("goodput", {}), ("pd_ratio", {}),
+        ("capacity.throughput_summary", {}), ("capacity.percentiles", {}), ("capacity.throughput", {"window_s": w}),
+        ("capacity.load_latency", {"window_s": w}), ("queues", {"bucket_s": float(w)}), ("capacity.cdf", {}),
+        ("capacity.ttft_by_prompt", {}),
+        ("attribution", {}), ("stage_breakdown", {"by": None}), ("critical_path", {}),
         ("slowest_requests", {"n": MAX_LISTED_REQUESTS}),
+        ("queues", {}), ("cache", {}), ("batch", {}), ("interference", {}), ("tenants", {}), ("noisy_neighbours", {}),
+        ("stage_breakdown", {"by": "tenant"}), ("stage_breakdown", {"by": "slo_class"}),
     ]
 
 

@@ -27,8 +27,11 @@ One recorder and one ``StoreWriter`` per process (created on first need), all
 writing the same run; the instance row's role and name come from what the
 process turns out to be (gateway, ``prefill``/``decode``/``colocated`` worker
 and its name). Failure policy: tokentrace never breaks the traced program. Any
-error while setting up is logged once as a warning and the program runs on
-untraced; errors while recording are counted by the recorder.
+error while setting up (a store that cannot be opened included) is logged once as
+a warning and the program runs on untraced; errors while recording are counted by
+the recorder and noted in the run's manifest. Each process journals its events
+every :data:`JOURNAL_INTERVAL_S`, so when the whole deployment is SIGKILLed the next
+reader of the store recovers all but the last fraction of a second.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from instrument.child_env import ENV_RUN, ENV_SAMPLE, ENV_STORE
+from instrument.child_env import ENV_METRICS_PORT, ENV_RUN, ENV_SAMPLE, ENV_STORE
 
 __all__ = ["install", "install_worker", "process_handle"]
 
@@ -52,9 +55,14 @@ PLUGINS_ENV = "REFERENCE_SERVER_WORKER_PLUGINS"  # the reference worker's docume
 WORKER_PLUGIN = "instrument.autoinstrument:install_worker"
 
 FLUSH_INTERVAL_S = 5.0
-"""How often each traced process writes its buffers (as OpenTelemetry's batch span processor's
-5 s default): every flush has a fixed cost (one Parquet file per table, the manifest
+"""How often each traced process writes a Parquet part per table (as OpenTelemetry's batch span
+processor's 5 s default): every part has a fixed cost (one file per table, the manifest
 fragment), which at 1 s took ~4% of a 2-core server's throughput (benchmarks/overhead.py)."""
+
+JOURNAL_INTERVAL_S = 0.25
+"""How often each traced process appends its buffered events to its crash journal
+(:mod:`tokentrace.store.journal`): the most a SIGKILLed process loses (plus the flush
+thread's 50 ms poll). An append is one small write per table, far cheaper than a part."""
 
 _GATEWAY_MODULE = "reference_server.serving.gateway"
 _ENGINE_MODULE = "reference_server.engine.engine"
@@ -102,9 +110,14 @@ def process_handle(*, role: Any, name: str | None) -> Any:
 
             sample = os.environ.get(ENV_SAMPLE)
             config = {"launcher": "tokentrace run", "sample": float(sample) if sample else 1.0}
-            _STATE.handle = instrument(None, store=os.environ[ENV_STORE], run=os.environ.get(ENV_RUN) or None,
-                                       role=role, name=name, trace_config=config,
-                                       flush_interval_s=FLUSH_INTERVAL_S)
+            port = os.environ.get(ENV_METRICS_PORT)
+            handle = instrument(None, store=os.environ[ENV_STORE], run=os.environ.get(ENV_RUN) or None,
+                                role=role, name=name, trace_config=config, flush_interval_s=FLUSH_INTERVAL_S,
+                                journal_interval_s=JOURNAL_INTERVAL_S, metrics_port=int(port) if port else None)
+            if handle.untraced_reason is not None:  # instrument() said why, once: serve untraced
+                _STATE.failed = _STATE.warned = True
+                return None
+            _STATE.handle = handle
             _STATE.recorder = _wrap_recorder(_STATE.handle.recorder, sample)
         elif name is not None:
             _STATE.recorder.instance(role=role, name=name)

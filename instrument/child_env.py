@@ -13,12 +13,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_STORE", "ENV_RUN", "ENV_SAMPLE", "SITE_DIR", "CODE_ROOT", "child_environment",
+__all__ = ["ENV_STORE", "ENV_RUN", "ENV_SAMPLE", "ENV_METRICS_PORT", "SITE_DIR", "CODE_ROOT", "child_environment",
            "propagate_to_children"]
 
 ENV_STORE = "TOKENTRACE_STORE"
 ENV_RUN = "TOKENTRACE_RUN"
 ENV_SAMPLE = "TOKENTRACE_SAMPLE"
+ENV_METRICS_PORT = "TOKENTRACE_METRICS_PORT"
+"""First port of the traced processes' live ``/metrics`` (each takes the next free one)."""
 SITE_DIR = Path(__file__).resolve().parent / "sitecustomize"
 """The folder ``tokentrace run`` prepends to ``PYTHONPATH``."""
 CODE_ROOT = SITE_DIR.parents[1]
@@ -26,13 +28,15 @@ CODE_ROOT = SITE_DIR.parents[1]
 
 
 def child_environment(store: str | os.PathLike[str], run: str, sample: float | None = None,
-                      base: dict[str, str] | None = None) -> dict[str, str]:
+                      base: dict[str, str] | None = None, metrics_port: int | None = None) -> dict[str, str]:
     """The environment a traced command runs with: ``base`` (default ``os.environ``) plus ours."""
     env = dict(os.environ if base is None else base)
     env[ENV_STORE] = str(Path(store).resolve())
     env[ENV_RUN] = run
     if sample is not None:
         env[ENV_SAMPLE] = repr(float(sample))
+    if metrics_port is not None:
+        env[ENV_METRICS_PORT] = str(int(metrics_port))
     parts = [str(SITE_DIR), str(CODE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     seen: list[str] = []
     for p in parts:

@@ -23,8 +23,17 @@ The tree of one request
   named by the stage label (``prefill.compute``), with the token index,
   engine step, instance, bytes, tier and batch size as attributes
   (``include_token_stages=False`` keeps only request-level intervals);
-* optionally (``token_events=True``) one ``tokentrace.token`` event per output
-  token on the request span, at its delivery time (sent, else emitted).
+* optionally (``token_events=True``, the lossless form ``tokentrace export --format otlp``
+  sends) one ``tokentrace.token`` event per time of every ``tokens`` row (``tokentrace.token_time``:
+  ``emit``, ``sent`` or ``recv``; its instance and step), one ``tokentrace.request`` event per
+  ``requests`` row (every instance's view of the request), and first one zero-length
+  ``tokentrace.instance`` span per instance, so that an instance with no stage span (a load
+  generator) is known to the receiver before its rows come. ``tokentrace ingest-otlp``
+  (:mod:`instrument.otlp_mapping`) reproduces the run from these.
+
+Every span's resource is its instance's: ``service.name``, ``host.name``, ``process.pid``,
+``tokentrace.run_id``, ``tokentrace.instance_id``, ``tokentrace.instance_name`` and
+``tokentrace.instance_role``; the request span's is the server instance the request arrived at.
 
 Ids and times
 -------------
@@ -48,7 +57,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 from opentelemetry.sdk.resources import Resource
@@ -58,10 +67,10 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from instrument import semconv as sc
-from tokentrace.clock import RunClocks
-from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, RequestStatus, Stage, Tier, col
+from tokentrace.clock import RunClocks, latest_instances
+from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, RequestStatus, Role, Stage, Tier, col
 
-__all__ = ["ExportSummary", "RequestTree", "export_run_to_otel", "build_request_spans", "otlp_exporter"]
+__all__ = ["ExportSummary", "RequestTree", "TokenTime", "export_run_to_otel", "build_request_spans", "otlp_exporter"]
 
 # requests count column -> the span attributes that carry it
 _COUNTS = {
@@ -98,6 +107,11 @@ class RequestTree:
     """Prompt, output and cached token counts by their ``requests`` column name (largest seen)."""
     status: int = RequestStatus.OK
     error: str = ""
+    first_content_ns: int | None = None
+    instance_id: int | None = None
+    """The instance of the request's earliest-arriving server row: the resource of its ``llm_request`` span."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Its ``requests`` rows, times on the reference clock (one ``tokentrace.request`` event each)."""
 
 
 def _rows(t: pa.Table) -> list[dict[str, Any]]:
@@ -115,7 +129,9 @@ def _merge(tree: RequestTree, row: dict[str, Any], shift: int) -> None:
     tree.tenant = first_str(tree.tenant, row[col.TENANT])
     tree.slo_class = first_str(tree.slo_class, row[col.SLO_CLASS])
     tree.trace_id = first_str(tree.trace_id, row[col.TRACE_ID])
+    tree.rows.append({**row, **{c: (row[c] + shift if row[c] is not None else None) for c in _ROW_TIMES}})
     tree.arrival_ns = lo(tree.arrival_ns, row[col.ARRIVAL_NS])
+    tree.first_content_ns = lo(tree.first_content_ns, row.get(col.FIRST_CONTENT_NS))
     tree.first_token_ns = lo(tree.first_token_ns, row[col.FIRST_TOKEN_NS])
     if row[col.FINISH_NS] is not None:
         f = row[col.FINISH_NS] + shift
@@ -126,6 +142,35 @@ def _merge(tree: RequestTree, row: dict[str, Any], shift: int) -> None:
             tree.counts[column] = max(tree.counts.get(column, v), v)
     if row[col.STATUS] is not None and row[col.STATUS] > tree.status:
         tree.status, tree.error = row[col.STATUS], row[col.ERROR] or ""
+
+
+_ROW_TIMES = (col.ARRIVAL_NS, col.FIRST_TOKEN_NS, col.FIRST_CONTENT_NS, col.FINISH_NS)
+_ROW_TIME_KEYS = {col.ARRIVAL_NS: sc.TT_ARRIVAL_UNIX_NS, col.FIRST_TOKEN_NS: sc.TT_FIRST_TOKEN_UNIX_NS,
+                  col.FIRST_CONTENT_NS: sc.TT_FIRST_CONTENT_UNIX_NS, col.FINISH_NS: sc.TT_FINISH_UNIX_NS}
+
+
+def _root_instance(tree: RequestTree, roles: Mapping[int, int]) -> int | None:
+    """The instance of the earliest-arriving row of a server process (a client's send comes first)."""
+    server = [r for r in tree.rows if roles.get(r[col.INSTANCE_ID]) != Role.CLIENT] or tree.rows
+    timed = [r for r in server if r[col.ARRIVAL_NS] is not None]
+    best = min(timed, key=lambda r: r[col.ARRIVAL_NS]) if timed else (server[0] if server else None)
+    return None if best is None else best[col.INSTANCE_ID]
+
+
+def _request_event(row: dict[str, Any], to_wall: int) -> Event:
+    """One ``requests`` row as an event on the request span (its time: the row's arrival, else finish)."""
+    attrs: dict[str, Any] = {sc.TT_INSTANCE_ID: row[col.INSTANCE_ID], sc.TT_STATUS: RequestStatus(row[col.STATUS]).label}
+    for column, key in _ROW_TIME_KEYS.items():
+        if row[column] is not None:
+            attrs[key] = row[column] + to_wall
+    for key, column in ((sc.TT_TENANT, col.TENANT), (sc.TT_SLO_CLASS, col.SLO_CLASS), (sc.ERROR_TYPE, col.ERROR)):
+        if row[column]:
+            attrs[key] = row[column]
+    for column, keys in _COUNTS.items():
+        if row[column] is not None and row[column] >= 0:
+            attrs[keys[0]] = row[column]
+    t = row[col.ARRIVAL_NS] if row[col.ARRIVAL_NS] is not None else row[col.FINISH_NS]
+    return Event(sc.TT_REQUEST_EVENT, attrs, timestamp=(t or 0) + to_wall)
 
 
 def _ids(run_id: str, tree: RequestTree) -> int:
@@ -163,9 +208,11 @@ def _stage_attributes(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _request_attributes(tree: RequestTree, stage_sums: dict[Stage, int], first_ns: int | None,
-                        end_ns: int) -> dict[str, Any]:
+                        end_ns: int, to_wall: int = 0) -> dict[str, Any]:
     attrs: dict[str, Any] = {sc.GEN_AI_SYSTEM: "tokentrace", sc.GEN_AI_REQUEST_ID: tree.key,
                              sc.TT_STATUS: RequestStatus(tree.status).label}
+    if tree.first_content_ns is not None:
+        attrs[sc.TT_FIRST_CONTENT_UNIX_NS] = tree.first_content_ns + to_wall
     for key, value in ((sc.TT_TENANT, tree.tenant), (sc.TT_SLO_CLASS, tree.slo_class)):
         if value:
             attrs[key] = value
@@ -191,13 +238,19 @@ def _request_attributes(tree: RequestTree, stage_sums: dict[Stage, int], first_n
 
 def build_request_spans(tree: RequestTree, stage_rows: Sequence[dict[str, Any]],
                         token_times: Sequence[tuple[int, int]], *, run_id: str, to_wall: int,
-                        resource: Resource, token_events: bool = False) -> list[ReadableSpan]:
+                        resource: Resource, token_events: bool = False,
+                        resources: Mapping[int, Resource] | None = None,
+                        token_rows: Sequence[TokenTime] = ()) -> list[ReadableSpan]:
     """The finished spans of one request: the request span first, then its stage spans.
 
     ``stage_rows``: its ``spans`` rows (reference clock, ns); ``token_times``:
     (token index, delivery time) pairs (reference clock, ns); ``to_wall``:
-    add to a reference-clock time to get Unix ns.
+    add to a reference-clock time to get Unix ns. ``resources``: the resource of each
+    instance (each span gets its instance's; ``resource`` otherwise). ``token_rows``: the
+    token events to attach (every ``tokens`` time, one event each) when ``token_events``;
+    without them, one event per token at its delivery time.
     """
+    resources = resources or {}
     trace_id = _ids(run_id, tree)
     root = _ctx(trace_id, _span_id(trace_id, 0))
     starts = [r[col.START_NS] for r in stage_rows]
@@ -212,18 +265,68 @@ def build_request_spans(tree: RequestTree, stage_rows: Sequence[dict[str, Any]],
     for n, row in enumerate(stage_rows, start=1):
         sums[Stage(row[col.STAGE])] += row[col.END_NS] - row[col.START_NS]
         children.append(ReadableSpan(
-            Stage(row[col.STAGE]).label, _ctx(trace_id, _span_id(trace_id, n)), root, resource,
+            Stage(row[col.STAGE]).label, _ctx(trace_id, _span_id(trace_id, n)), root,
+            resources.get(row[col.INSTANCE_ID], resource),
             _stage_attributes(row), kind=SpanKind.INTERNAL, start_time=row[col.START_NS] + to_wall,
             end_time=row[col.END_NS] + to_wall, instrumentation_scope=_SCOPE))
-    events = [Event(sc.TOKEN_EVENT, {sc.TT_TOKEN_INDEX: i}, timestamp=t + to_wall) for i, t in token_times] \
-        if token_events else []
+    if token_events and token_rows:
+        events = [Event(sc.TOKEN_EVENT, _token_attributes(r), timestamp=r.time_ns + to_wall) for r in token_rows]
+        events += [_request_event(row, to_wall) for row in tree.rows]
+    elif token_events:
+        events = [Event(sc.TOKEN_EVENT, {sc.TT_TOKEN_INDEX: i}, timestamp=t + to_wall) for i, t in token_times]
+    else:
+        events = []
     status = Status(StatusCode.UNSET) if tree.status == RequestStatus.OK else \
         Status(StatusCode.ERROR, tree.error or RequestStatus(tree.status).label)
-    request = ReadableSpan(sc.LLM_REQUEST_SPAN, root, None, resource,
-                           _request_attributes(tree, sums, first_ns, end), events, kind=SpanKind.SERVER,
+    request = ReadableSpan(sc.LLM_REQUEST_SPAN, root, None, resources.get(tree.instance_id, resource),
+                           _request_attributes(tree, sums, first_ns, end, to_wall), events, kind=SpanKind.SERVER,
                            status=status, start_time=begin + to_wall, end_time=end + to_wall,
                            instrumentation_scope=_SCOPE)
     return [request, *children]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTime:
+    """One time of one ``tokens`` row (reference clock, ns): which column, which instance."""
+
+    index: int
+    kind: str  # "emit", "sent" or "recv"
+    time_ns: int
+    instance_id: int
+    step: int | None
+
+
+def _token_attributes(r: TokenTime) -> dict[str, Any]:
+    attrs: dict[str, Any] = {sc.TT_TOKEN_INDEX: r.index, sc.TT_TOKEN_TIME: r.kind, sc.TT_INSTANCE_ID: r.instance_id}
+    if r.step is not None and r.step >= 0:
+        attrs[sc.TT_ENGINE_STEP] = r.step
+    return attrs
+
+
+def _token_rows(tokens: pa.Table, clocks: RunClocks) -> dict[int, list[TokenTime]]:
+    """request id -> every time of its ``tokens`` rows, in (index, time) order (reference clock)."""
+    out: dict[int, list[TokenTime]] = defaultdict(list)
+    for row in _rows(tokens):
+        shift = clocks.offset(row[col.INSTANCE_ID])
+        for kind, column in (("emit", col.EMIT_NS), ("sent", col.SENT_NS), ("recv", col.RECV_NS)):
+            if row[column] is not None:
+                out[row[col.REQUEST_ID]].append(TokenTime(row[col.TOKEN_INDEX], kind, row[column] + shift,
+                                                          row[col.INSTANCE_ID], row[col.STEP]))
+    for rows in out.values():
+        rows.sort(key=lambda r: (r.index, r.time_ns))
+    return out
+
+
+def _instance_resources(instances: pa.Table, *, service_name: str, run_id: str) -> dict[int, Resource]:
+    """A resource per instance (latest row wins): role, name, host and pid as resource attributes."""
+    out: dict[int, Resource] = {}
+    for row in _rows(latest_instances(instances)):
+        out[row[col.INSTANCE_ID]] = Resource.create({
+            sc.SERVICE_NAME: service_name, sc.TT_RUN_ID: run_id, sc.TT_INSTANCE_ID: row[col.INSTANCE_ID],
+            sc.TT_INSTANCE_NAME: row[col.NAME] or f"instance-{row[col.INSTANCE_ID]}",
+            sc.TT_INSTANCE_ROLE: Role(row[col.ROLE]).label, sc.HOST_NAME: row[col.HOST] or "",
+            sc.PROCESS_PID: int(row[col.PID] or 0)})
+    return out
 
 
 def _token_times(tokens: pa.Table, clocks: RunClocks) -> dict[int, dict[int, int]]:
@@ -270,6 +373,9 @@ def export_run_to_otel(run: Any, exporter: SpanExporter, *, token_events: bool =
     for row in _rows(run.table(REQUESTS.name)):
         rid = row[col.REQUEST_ID]
         _merge(trees.setdefault(rid, RequestTree(rid)), row, clocks.offset(row[col.INSTANCE_ID]))
+    roles = {r[col.INSTANCE_ID]: r[col.ROLE] for r in _rows(latest_instances(run.table(INSTANCES.name)))}
+    for tree in trees.values():
+        tree.instance_id = _root_instance(tree, roles)
     stage_rows: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for row in _rows(run.table(SPANS.name)):
         if not include_token_stages and row[col.TOKEN_INDEX] >= 0:
@@ -279,17 +385,29 @@ def export_run_to_otel(run: Any, exporter: SpanExporter, *, token_events: bool =
         row[col.END_NS] += shift
         stage_rows[row[col.REQUEST_ID]].append(row)
         trees.setdefault(row[col.REQUEST_ID], RequestTree(row[col.REQUEST_ID]))
-    tokens = _token_times(run.table(TOKENS.name), clocks)
+    token_table = run.table(TOKENS.name)
+    tokens = _token_times(token_table, clocks)
+    rows_of = _token_rows(token_table, clocks) if token_events else {}
     resource = Resource.create({sc.SERVICE_NAME: service_name, sc.TT_RUN_ID: run.run_id})
+    resources = _instance_resources(run.table(INSTANCES.name), service_name=service_name, run_id=run.run_id)
     num_spans = num_requests = failed = 0
 
     def spans() -> Iterable[ReadableSpan]:
         nonlocal num_spans, num_requests
+        if token_events:  # every instance first, those that own no stage span (a client) included
+            start = min((t.arrival_ns for t in trees.values() if t.arrival_ns is not None), default=0) + to_wall
+            for iid, res in resources.items():
+                trace = _ids(run.run_id, RequestTree(-1 - (iid % (1 << 62))))
+                num_spans += 1
+                yield ReadableSpan(sc.TT_INSTANCE_SPAN, _ctx(trace, _span_id(trace, 0)), None, res, {},
+                                   kind=SpanKind.INTERNAL, start_time=start, end_time=start,
+                                   instrumentation_scope=_SCOPE)
         for rid, tree in trees.items():
             rows = sorted(stage_rows.get(rid, []), key=lambda r: (r[col.START_NS], r[col.END_NS]))
             times = sorted(tokens.get(rid, {}).items())
             built = build_request_spans(tree, rows, times, run_id=run.run_id, to_wall=to_wall,
-                                        resource=resource, token_events=token_events)
+                                        resource=resource, token_events=token_events, resources=resources,
+                                        token_rows=rows_of.get(rid, ()))
             num_requests += bool(built)
             num_spans += len(built)
             yield from built

@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["OtlpSpan", "PayloadError", "decode_request", "decompress", "PROTOBUF", "JSON",
+__all__ = ["OtlpSpan", "OtlpEvent", "PayloadError", "decode_request", "decompress", "PROTOBUF", "JSON",
            "response_body", "error_body"]
 
 PROTOBUF = "application/x-protobuf"
@@ -41,9 +41,23 @@ class OtlpSpan:
     start_unix_ns: int
     end_unix_ns: int
     attributes: Mapping[str, Any] = field(default_factory=dict)
-    """String, bool, int and float attribute values; arrays and maps are left out."""
+    """String, bool, int and float attribute values, and arrays of them as tuples; maps are left out."""
     is_error: bool = False
     status_message: str = ""
+    parent_span_id: str = ""
+    """16 hex digits; empty for a root span."""
+    resource: Mapping[str, Any] = field(default_factory=dict)
+    """The attributes of the resource that sent the span (the traced process), as :attr:`attributes`."""
+    events: tuple[OtlpEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OtlpEvent:
+    """One span event (time: Unix ns as sent)."""
+
+    name: str
+    time_unix_ns: int
+    attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _proto() -> Any:
@@ -127,26 +141,45 @@ def _parse(body: bytes, content_type: str) -> Any:
     if content_type == PROTOBUF:
         try:
             msg.ParseFromString(body)
-        except (DecodeError, ValueError, RuntimeError) as e:
+        except (DecodeError, ValueError, RuntimeError, RecursionError) as e:
             raise PayloadError(f"body is not a protobuf ExportTraceServiceRequest: {e}") from None
         return msg
     try:
         obj = json.loads(body)
+    except RecursionError:
+        raise PayloadError("body is not valid JSON: it is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise PayloadError(f"body is not valid JSON: {e}") from None
     _fix_json_ids(obj)
     try:
         json_format.ParseDict(obj, msg, ignore_unknown_fields=True)
-    except (json_format.ParseError, ValueError, TypeError) as e:
+    except RecursionError:
+        raise PayloadError("JSON is not an ExportTraceServiceRequest: it is nested too deeply") from None
+    except (json_format.ParseError, ValueError, TypeError, AttributeError, KeyError) as e:
         raise PayloadError(f"JSON is not an ExportTraceServiceRequest: {e}") from None
     return msg
+
+
+_MAX_ARRAY = 1 << 16  # longest array attribute kept (one value per output token)
 
 
 def _value(v: Any) -> Any:
     kind = v.WhichOneof("value")
     if kind in ("string_value", "bool_value", "int_value", "double_value"):
         return getattr(v, kind)
+    if kind == "array_value" and len(v.array_value.values) <= _MAX_ARRAY:
+        items = tuple(_scalar(x) for x in v.array_value.values)
+        return None if any(x is None for x in items) else items
     return None
+
+
+def _scalar(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind in ("string_value", "bool_value", "int_value", "double_value") else None
+
+
+def _attrs(kvs: Any) -> dict[str, Any]:
+    return {kv.key: val for kv in kvs if (val := _value(kv.value)) is not None}
 
 
 def decode_request(body: bytes, content_type: str) -> list[OtlpSpan]:
@@ -162,14 +195,16 @@ def decode_request(body: bytes, content_type: str) -> list[OtlpSpan]:
     msg = _parse(body, media)
     out = []
     for rs in msg.resource_spans:
+        resource = _attrs(rs.resource.attributes)
         for ss in rs.scope_spans:
             for s in ss.spans:
-                attrs = {kv.key: val for kv in s.attributes if (val := _value(kv.value)) is not None}
+                events = tuple(OtlpEvent(e.name, int(e.time_unix_nano), _attrs(e.attributes)) for e in s.events)
                 out.append(OtlpSpan(
                     name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
                     start_unix_ns=int(s.start_time_unix_nano), end_unix_ns=int(s.end_time_unix_nano),
-                    attributes=attrs, is_error=s.status.code == _STATUS_CODE_ERROR,
-                    status_message=s.status.message))
+                    attributes=_attrs(s.attributes), is_error=s.status.code == _STATUS_CODE_ERROR,
+                    status_message=s.status.message, parent_span_id=s.parent_span_id.hex(), resource=resource,
+                    events=events))
     return out
 
 

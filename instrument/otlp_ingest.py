@@ -8,33 +8,16 @@ serves it (:func:`instrument.otlp_server.serve_otlp`), with OTLP/gRPC's
 A malformed body gets HTTP 400 with a ``google.rpc.Status`` message (gRPC:
 ``INVALID_ARGUMENT``) and the receiver keeps serving.
 
-Mapping of vLLM's ``llm_request`` span (:class:`LlmRequestMapper`)
-------------------------------------------------------------------
-vLLM reports, per finished request, one span starting at the request's
-arrival with latencies in seconds. Times are placed on one timeline from the
-arrival ``A`` (the span's start):
-
-* first token ``F = A + time_to_first_token``; finish ``E = A + e2e`` (else
-  the span's end);
-* ``prefill.compute`` (token 0) = ``[F - time_in_model_prefill, F)``;
-* ``schedule.queue`` (token 0) = the ``time_in_queue`` just before it;
-  both are clamped to start no earlier than ``A``. What is left of token 0's
-  interval, ``[A, queue start)``, stays unattributed: vLLM does not say how it
-  splits into tokenization, routing and IPC;
-* ``decode.compute`` (request-level, token ``-1``) = ``[F, F + time_in_model_decode)``
-  clipped to ``E``: vLLM gives one decode total, not per-token intervals;
-* without ``time_to_first_token``, queue then prefill are laid from ``A``
-  and ``F`` is the end of prefill (if prefill is known);
-* a ``tokens`` row for token 0 with ``emit_ns = F`` (later tokens' times are
-  not reported, so no row is invented for them);
-* the ``requests`` row: key ``gen_ai.request.id`` (else the span id), trace id,
-  arrival ``A``, first token ``F``, finish ``E``, prompt and output tokens
-  (``gen_ai.usage.prompt_tokens`` / ``completion_tokens``, or the newer
-  ``input_tokens`` / ``output_tokens``), status ``error`` if the span's
-  status is ERROR.
+Mapping
+-------
+:class:`~instrument.otlp_mapping.OtlpMapper` maps each emitter's spans (vLLM's
+``llm_request`` and request-lifecycle spans, SGLang's request trace, tokentrace's own
+export); the table in ``docs/instrument-otel.md`` says what each attribute becomes. Each
+traced process named by a span's resource becomes its own instance
+(:class:`~instrument.otlp_requests.Replicas`, when a ``replica_factory`` is given).
 
 Clocks: spans carry Unix (wall-clock) nanoseconds; each is mapped onto this
-process's monotonic clock with the anchor of its ``instances`` row
+process's monotonic clock with the receiver's anchor
 (``tokentrace.clock.Anchor.to_mono_ns``: ``mono = unix - wall_anchor + mono_anchor``). This assumes the sender's wall
 clock agrees with the receiver's (same host, or NTP-synchronized hosts: the
 error is their wall-clock difference). Durations inside one span are exact.
@@ -46,13 +29,13 @@ mapped ones are counted as ``otlp_spans_mapped``, rejected payloads as
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable
 
-from instrument import semconv as sc
 from instrument.otlp_decode import (
     JSON,
     PROTOBUF,
@@ -63,98 +46,40 @@ from instrument.otlp_decode import (
     error_body,
     response_body,
 )
+from instrument.otlp_mapping import MAX_LATENCY_S, SPANS_IGNORED, SPANS_MAPPED, SPANS_UNMATCHED, OtlpMapper
+from instrument.otlp_requests import IngestOptions, InstanceIdentity, Replicas
 from tokentrace.clock import Anchor
 from tokentrace.recorder import CounterSink, Recorder
-from tokentrace.schema import RequestStatus, Stage, request_id_of
 
 _log = logging.getLogger("tokentrace")
 
-__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "listen_error",
-           "SPANS_MAPPED", "SPANS_IGNORED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES"]
+__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "listen_error", "ReplicaFactory",
+           "SPANS_MAPPED", "SPANS_IGNORED", "SPANS_UNMATCHED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES", "MAX_LATENCY_S"]
 
-SPANS_MAPPED = "otlp_spans_mapped"
-SPANS_IGNORED = "otlp_spans_ignored"
 PAYLOADS_REJECTED = "otlp_payloads_rejected"
 MAX_BODY_BYTES = 64 << 20
 """Largest request body accepted, after decompression (bytes); larger ones get 413."""
+BODY_TIMEOUT_S = 30.0
+"""A request body must arrive within this long of its headers; a slower one gets 408."""
 _COUNTERS_INTERVAL_S = 1.0  # longest time between counter pushes while receiving
 
 
-def _ns(attrs: Mapping[str, Any], key: str) -> int | None:
-    """A latency attribute in seconds as non-negative integer ns, or None if absent or not a number."""
-    v = attrs.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        return None
-    return max(0, round(v * 1e9))
-
-
-def _count(attrs: Mapping[str, Any], *keys: str) -> int:
-    for key in keys:
-        v = attrs.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
-    return -1
+ReplicaFactory = Callable[[InstanceIdentity], Recorder]
+"""Makes the recorder of a newly seen traced process (its own instance in the run)."""
 
 
 class LlmRequestMapper:
-    """Turns ``llm_request`` spans into recorder rows (see the module docstring).
+    """One recorder's :class:`~instrument.otlp_mapping.OtlpMapper`, span by span (tests, embedding).
 
-    ``anchor``: the recorder's instance anchor, used to map Unix ns onto its
-    monotonic clock. Any thread; never raises for odd attribute values (they
-    count as absent).
+    ``map(span)`` is True when the span was used (a request's root, or a child held for it).
+    Any thread; never raises for odd attribute values (they count as absent).
     """
 
-    def __init__(self, recorder: Recorder, anchor: Anchor) -> None:
-        self._rec = recorder
-        self._anchor = anchor
+    def __init__(self, recorder: Recorder, anchor: Anchor, options: IngestOptions | None = None) -> None:
+        self._mapper = OtlpMapper(Replicas(recorder, None, (options or IngestOptions()).role), anchor, options)
 
     def map(self, span: OtlpSpan) -> bool:
-        """Record ``span`` if it is an ``llm_request``; True if it was mapped."""
-        if span.name != sc.LLM_REQUEST_SPAN:
-            return False
-        a = span.attributes
-        arrival = self._anchor.to_mono_ns(span.start_unix_ns)
-        ttft, e2e = _ns(a, sc.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN), _ns(a, sc.GEN_AI_LATENCY_E2E)
-        queue, prefill = _ns(a, sc.GEN_AI_LATENCY_TIME_IN_QUEUE), _ns(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL)
-        decode = _ns(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE)
-        finish = arrival + e2e if e2e is not None else max(arrival, self._anchor.to_mono_ns(span.end_unix_ns))
-        key = a.get(sc.GEN_AI_REQUEST_ID)
-        key = str(key) if isinstance(key, (str, int)) and str(key) else span.span_id
-        rid = request_id_of(key)
-        first = self._token0_stages(rid, arrival, ttft, queue, prefill)
-        rec = self._rec
-        if decode is not None and first is not None and min(first + decode, finish) > first:
-            rec.span(rid, Stage.DECODE_COMPUTE, first, min(first + decode, finish), -1)
-        if first is not None:
-            rec.token(rid, 0, emit_ns=first)
-        rec.request_begin(key, arrival_ns=arrival, trace_id=span.trace_id if any(span.trace_id.strip("0")) else "",
-                          num_prompt_tokens=_count(a, sc.GEN_AI_USAGE_PROMPT_TOKENS, sc.GEN_AI_USAGE_INPUT_TOKENS))
-        error = ""
-        if span.is_error:
-            kind = a.get(sc.ERROR_TYPE)
-            error = str(kind)[:64] if isinstance(kind, str) and kind else "span_error"
-        rec.request_end(rid, finish_ns=finish, first_token_ns=-1 if first is None else first,
-                        status=RequestStatus.ERROR if span.is_error else RequestStatus.OK,
-                        num_output_tokens=_count(a, sc.GEN_AI_USAGE_COMPLETION_TOKENS, sc.GEN_AI_USAGE_OUTPUT_TOKENS),
-                        error=error)
-        return True
-
-    def _token0_stages(self, rid: int, arrival: int, ttft: int | None, queue: int | None,
-                       prefill: int | None) -> int | None:
-        """Record queue and prefill (token 0); returns the first token's time, None if unknown."""
-        if ttft is not None:
-            first = arrival + ttft
-            prefill_start = max(arrival, first - (prefill or 0))
-            queue_start = max(arrival, prefill_start - (queue or 0))
-        else:
-            queue_start = arrival
-            prefill_start = arrival + (queue or 0)
-            first = prefill_start + prefill if prefill is not None else None
-        if queue is not None and prefill_start > queue_start:
-            self._rec.span(rid, Stage.SCHEDULE_QUEUE, queue_start, prefill_start, 0)
-        if prefill is not None and first is not None and first > prefill_start:
-            self._rec.span(rid, Stage.PREFILL_COMPUTE, prefill_start, first, 0)
-        return first
+        return self._mapper.map_spans([span]) > 0
 
 
 class OtlpIngestor:
@@ -164,11 +89,16 @@ class OtlpIngestor:
     worker threads. A lock keeps the counters exact and one payload's rows together.
     """
 
-    def __init__(self, recorder: Recorder, *, anchor: Anchor, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, recorder: Recorder, *, anchor: Anchor, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S, replica_factory: ReplicaFactory | None = None,
+                 options: IngestOptions | None = None) -> None:
         self.recorder = recorder
-        self.mapper = LlmRequestMapper(recorder, anchor)
+        options = options or IngestOptions()
+        self.replicas = Replicas(recorder, replica_factory, options.role)
+        self.mapper = OtlpMapper(self.replicas, anchor, options)
         self.max_body_bytes = max_body_bytes
-        self.counts = {SPANS_MAPPED: 0, SPANS_IGNORED: 0, PAYLOADS_REJECTED: 0}
+        self.body_timeout_s = body_timeout_s
+        self.counts = {**self.mapper.counts, PAYLOADS_REJECTED: 0}
         self._pushed_at = 0.0
         self._push_warned = False  # a failed counter push is logged once
         self._lock = threading.Lock()
@@ -183,9 +113,8 @@ class OtlpIngestor:
                 self.counts[PAYLOADS_REJECTED] += 1
             raise
         with self._lock:
-            mapped = sum(1 for s in spans if self.mapper.map(s))
-            self.counts[SPANS_MAPPED] += mapped
-            self.counts[SPANS_IGNORED] += len(spans) - mapped
+            mapped = self.mapper.map_spans(spans)
+            self.counts.update(self.mapper.counts)
         return mapped
 
     def push_counters(self, *, force: bool = False) -> None:
@@ -206,17 +135,23 @@ class OtlpIngestor:
                     _log.warning("tokentrace: could not write ingest counters to the manifest (%s); will retry", err)
 
     def close(self) -> None:
-        """Flush everything to the store and close it."""
-        self.recorder.flush()
+        """Flush everything to the store and close it (every instance's recorder)."""
+        with self._lock:
+            self.mapper.close()
+            self.counts.update(self.mapper.counts)
+        recorders = self.replicas.all()
+        for rec in recorders:
+            rec.flush()
         self.push_counters(force=True)
-        self.recorder.close()
+        for rec in recorders:
+            rec.close()
 
 
 def create_app(ingestor: OtlpIngestor) -> Any:
     """The Starlette app: ``POST /v1/traces`` (protobuf or JSON)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import Response
     from starlette.routing import Route
 
@@ -227,10 +162,16 @@ def create_app(ingestor: OtlpIngestor) -> Any:
         if length.isdigit() and int(length) > ingestor.max_body_bytes:
             return _error(reply, f"body of {length} bytes is over the limit of {ingestor.max_body_bytes}", 413)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > ingestor.max_body_bytes:
-                return _error(reply, f"body is over the limit of {ingestor.max_body_bytes} bytes", 413)
+        try:
+            async with asyncio.timeout(ingestor.body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > ingestor.max_body_bytes:
+                        return _error(reply, f"body is over the limit of {ingestor.max_body_bytes} bytes", 413)
+        except TimeoutError:
+            return _error(reply, f"the body did not arrive within {ingestor.body_timeout_s:g} s", 408)
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody is left to read it
         try:
             ingestor.ingest(bytes(body), request.headers.get("content-type", ""),
                             request.headers.get("content-encoding", ""))

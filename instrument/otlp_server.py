@@ -12,15 +12,17 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from instrument.otlp_ingest import MAX_BODY_BYTES, OtlpIngestor, create_app, listen_error
+from instrument.otlp_requests import IngestOptions, InstanceIdentity
 from tokentrace.clock import take_anchor
 from tokentrace.recorder import BufferedRecorder
 from tokentrace.schema import Role
+from tokentrace.store import StoreWriter
 
-__all__ = ["serve_otlp", "IngestSummary"]
+__all__ = ["serve_otlp", "store_ingestor", "IngestSummary"]
 
 OnReady = Callable[[list[str], "str | None"], None]
 
@@ -37,7 +39,8 @@ class IngestSummary:
 
 
 def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role: str = "colocated",
-               grpc_listen: tuple[str, int] | None = None, on_ready: OnReady | None = None) -> IngestSummary:
+               grpc_listen: tuple[str, int] | None = None, on_ready: OnReady | None = None,
+               options: IngestOptions | None = None) -> IngestSummary:
     """Receive OTLP/HTTP (and, with ``grpc_listen``, OTLP/gRPC) traces into run ``run``
     of ``store`` until SIGINT/SIGTERM.
 
@@ -48,18 +51,20 @@ def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role
     without grpcio. Nothing is created on disk before every address is bound. The
     store is flushed and closed however the server stops.
     """
-    import uvicorn
+    try:
+        import starlette  # noqa: F401 - the app's framework, imported by create_app
+        import uvicorn
+    except ImportError as e:
+        raise ImportError("the OTLP/HTTP receiver needs starlette and uvicorn: pip install 'tokentrace[otlp]'") from e
 
     from tokentrace.store import validate_run_id
 
     the_role = Role.from_label(role)
+    options = replace(options or IngestOptions(), role=the_role)
     if run is not None:
         validate_run_id(run)  # before binding: a bad id must not leave a listening socket behind
     sock, receiver, writer = _bind_and_open(host, port, store, run, grpc_listen)
-    recorder = BufferedRecorder(writer, instance_id=writer.instance_id)
-    anchor = take_anchor()
-    recorder.instance(role=the_role, name="otlp-ingest", anchor=anchor)
-    ingestor = OtlpIngestor(recorder, anchor=anchor)
+    ingestor = store_ingestor(writer, options=options)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}/v1/traces"
     urls = [url] + ([receiver.url] if receiver is not None else [])
     server = uvicorn.Server(uvicorn.Config(create_app(ingestor), log_level="warning", lifespan="off"))
@@ -77,6 +82,24 @@ def serve_otlp(*, host: str, port: int, store: str, run: str | None = None, role
             receiver.stop()  # calls in flight finish before the store is closed
         ingestor.close()
     return IngestSummary(writer.run_id, url, dict(ingestor.counts), receiver.url if receiver is not None else None)
+
+
+def store_ingestor(writer: Any, *, options: IngestOptions | None = None, name: str = "otlp-ingest") -> OtlpIngestor:
+    """An :class:`OtlpIngestor` writing into ``writer``'s run (a ``StoreWriter``): the receiver's own
+    instance (``name``, ``options.role``) and one more instance, with its own writer, per traced
+    process its spans' resources name. Times go onto this process's monotonic clock."""
+    options = options or IngestOptions()
+    recorder = BufferedRecorder(writer, instance_id=writer.instance_id)
+    anchor = take_anchor()
+    recorder.instance(role=options.role, name=name, anchor=anchor)
+
+    def replica(identity: InstanceIdentity) -> BufferedRecorder:
+        w = StoreWriter(writer.store_path, run_id=writer.run_id)
+        rec = BufferedRecorder(w, instance_id=w.instance_id)
+        rec.instance(role=identity.role, name=identity.name, host=identity.host, pid=identity.pid, anchor=anchor)
+        return rec
+
+    return OtlpIngestor(recorder, anchor=anchor, replica_factory=replica, options=options)
 
 
 def _bind_and_open(host: str, port: int, store: str, run: str | None,

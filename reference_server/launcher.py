@@ -6,16 +6,22 @@ workers, KV moved between them over sockets) or ``--mode local`` (one engine ins
 gateway process). The gateway binds ``--host``/``--port`` (127.0.0.1:8000 by default;
 port 0 picks a free one) and prints ``READY http://HOST:PORT`` once it listens (health:
 ``GET /health``). Ctrl-C or SIGTERM stops the gateway, which stops every worker process
-it started; workers also exit on their own if the launcher dies (their control
-connection closes).
+it started, and exits 0; workers also exit on their own if the launcher dies (their control
+connection closes). A Ctrl-C reaches every process of the terminal's process group, and a
+supervisor (``tokentrace run``) may forward it once more: a second SIGINT within a second
+of the first counts as the same one, so shutdown stays graceful. A port that cannot be
+bound, like any bad option, is one line on stderr and exit status 2, before any worker
+starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import socket
 import sys
+import time
 from typing import Any
 
 from reference_server.engine import EngineConfig, TenantConfig
@@ -86,8 +92,8 @@ def _build_app(args: argparse.Namespace) -> Any:
     tenants: list[TenantConfig] = []
     auth = TenantAuth()
     if args.tenants:
-        tenants, keys, defaults = load_tenants(args.tenants)
-        auth = TenantAuth(keys=keys, default_slo_classes=defaults)
+        tenants, _, _ = load_tenants(args.tenants)
+        auth = TenantAuth.from_file(args.tenants)
     delays = DelayConfig.parse(args.delay)
     config = build_engine_config(args, tenants)
     from reference_server.serving.router import Router
@@ -98,14 +104,49 @@ def _build_app(args: argparse.Namespace) -> Any:
     return create_app(backend, config=gateway_config)
 
 
-async def _serve(app: Any, args: argparse.Namespace) -> None:
+def _bind(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket; ``ValueError`` (one sentence) when it cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family = infos[0][0] if infos else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    return sock
+
+
+def _make_server(app: Any, log_level: str) -> Any:
     import uvicorn
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+
+    class _Server(uvicorn.Server):
+        """uvicorn, with the same Ctrl-C delivered twice (process group + supervisor) kept graceful."""
+
+        _first_exit_s = 0.0
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            now = time.monotonic()
+            if sig == signal.SIGINT and self.should_exit and now - self._first_exit_s < 1.0:
+                return  # the same interrupt again: a third, later one still forces the exit
+            if not self.should_exit:
+                self._first_exit_s = now
+            super().handle_exit(sig, frame)
+
+    return _Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5))
+
+
+async def _serve(app: Any, sock: socket.socket, log_level: str) -> None:
+    server = _make_server(app, log_level)
+    # uvicorn re-raises the signal that stopped it once it is done; this handler takes that
+    # re-raise (instead of asyncio's, which would end in a KeyboardInterrupt traceback).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on",
-                                           timeout_graceful_shutdown=5))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -115,12 +156,24 @@ async def _serve(app: Any, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the stack until interrupted; returns the exit status (2 on bad options)."""
+    """Run the stack until interrupted; returns the exit status (2 on bad options or a port
+    that cannot be bound, 0 after a Ctrl-C or SIGTERM)."""
     args = parse_args(argv)
     try:
-        app = _build_app(args)
+        sock = _bind(args.host, args.port)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(app, args))
+    try:
+        app = _build_app(args)
+    except ValueError as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(app, sock, args.log_level))
+    except KeyboardInterrupt:  # an interrupt before the server took over its signals
+        return 130
+    finally:
+        sock.close()
     return 0

@@ -55,8 +55,8 @@ class Run:
 RUN = Run()
 
 COVERAGE: dict[tuple[str, str], Run | Covered] = {
-    ("README.md", "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[server,dashboard]' "
-                  "&& .venv/bin/tokentrace demo"): Covered(
+    ("README.md", "python3 -m venv .venv && .venv/bin/pip install --progress-bar on -c constraints.txt -e "
+                  "'.[server,dashboard]' && .venv/bin/tokentrace demo"): Covered(
         "tests/test_demo.py::test_every_role_of_the_deployment_is_traced_into_one_run",
         "set-up: CI creates the venv with the same pip line (tests/test_readme.py); the demo itself, reduced, "
         "is tests/test_demo.py, and with the dashboard it runs until Ctrl-C"),
@@ -111,6 +111,20 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "serves until Ctrl-C; tests/test_demo.py::test_the_dashboard_step_serves_the_store_until_ctrl_c "
         "serves the real-run fixture and stops it with SIGINT"),
     ("docs/scaling.md", "python - <<'EOF'"): RUN,
+    ("docs/instrument-otel.md", "tokentrace export traces --format otlp --endpoint http://127.0.0.1:4318/v1/traces"):
+        Covered("tests/instrument/test_otlp_mapping.py::test_export_command_to_a_running_ingest_otlp_reproduces_the_run",
+                "needs a receiver on a fixed port; the test runs the same command against a tokentrace ingest-otlp "
+                "on a free port and checks the run comes back whole"),
+    ("docs/instrument-otel.md", "tokentrace ingest-client profile_export.jsonl --format aiperf --store traces "
+                                "--run aiperf-run"):
+        Covered("tests/tokentrace/clients/test_importers.py::test_report_shows_the_agreement_of_an_imported_aiperf_run",
+                "needs an AIPerf export of a run in the store; the test imports a real AIPerf 0.13 export into the "
+                "store the reference server wrote for it, then runs tokentrace report on it"),
+    ("docs/instrument-otel.md", "tokentrace run --store traces --metrics-port 9400 -- python -m reference_server "
+                                "--model tiny --port 8000"):
+        Covered("tests/tokentrace/test_live_metrics.py::test_tokentrace_run_metrics_port_reaches_the_traced_process",
+                "a long-running server on fixed ports; the test runs tokentrace run --metrics-port around a traced "
+                "process on a free port and parses what its /metrics serves"),
     ("docs/scaling.md", "tokentrace run --store traces --sample 0.1 -- python -m reference_server --mode disagg "
                         "--prefill 1 --decode 1 --port 8000"): Covered(
         "tests/tokentrace/cli/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",

@@ -49,6 +49,7 @@ __all__ = [
     "CACHE_EVENTS",
     "LOOP_LAGS",
     "INSTANCES",
+    "RUN_COLUMN",
     "TABLES",
     "table",
     "request_id_of",
@@ -283,7 +284,7 @@ class col:
     """
 
     RUN_ID = "run_id"
-    """Not a table column: the run a row came from, added by readers that span runs."""
+    """The run a row belongs to: :data:`RUN_COLUMN`, which the store writer adds to every part file."""
     REQUEST_ID = "request_id"
     REQUEST_KEY = "request_key"
     INSTANCE_ID = "instance_id"
@@ -533,6 +534,14 @@ INSTANCES = Table(
         ),
     ),
 )
+
+RUN_COLUMN = Column(
+    col.RUN_ID, pa.string(),
+    "The run the row belongs to (its run folder's name), so that globbing several runs stays safe. The store "
+    "writer appends it to every part file it writes, after the table's columns; it is no field of the recorder's "
+    "batches, and tokentrace's reader returns the table's own columns. Files written before it lack it: SQL "
+    "engines read it as null there (DuckDB: union_by_name).")
+"""A column of every stored part file, outside the tables' own column lists (see its doc)."""
 
 TABLES: dict[str, Table] = {t.name: t for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS, LOOP_LAGS, INSTANCES)}
 """Every table of a store by name."""

@@ -10,6 +10,7 @@ record into a custom sink.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from typing import Any, Callable, Mapping
@@ -18,11 +19,14 @@ from tokentrace import api
 from tokentrace.adapters import adapter_for
 from tokentrace.recorder import BufferedRecorder, Recorder
 from tokentrace.recorder.sink import Sink
+from tokentrace.recorder.untraced import UntracedRecorder
 from tokentrace.schema import Role
+
+log = logging.getLogger("tokentrace")
 
 __all__ = ["Handle", "instrument", "RECORDER_OPTIONS"]
 
-RECORDER_OPTIONS = ("memory_cap_bytes", "flush_interval_s", "batch_rows")
+RECORDER_OPTIONS = ("memory_cap_bytes", "flush_interval_s", "batch_rows", "journal_interval_s")
 """Keyword options ``instrument`` passes on to the :class:`Recorder`."""
 
 
@@ -59,6 +63,11 @@ class Handle:
     def counters(self) -> dict[str, int]:
         return self.recorder.counters
 
+    @property
+    def untraced_reason(self) -> str | None:
+        """Why nothing is traced (the store could not be opened), or None while tracing."""
+        return self.recorder.reason if isinstance(self.recorder, UntracedRecorder) else None
+
     def flush(self) -> None:
         """Write everything recorded so far (blocks on the sink)."""
         self.recorder.flush()
@@ -92,6 +101,19 @@ def _role(role: Role | str | int) -> Role:
         raise ValueError(f"unknown role {role!r}; valid roles: {valid}") from None
 
 
+def _with_metrics(recorder: Recorder, port: int, host: str) -> Recorder:
+    """``recorder`` wrapped in a :class:`~tokentrace.live_metrics.MetricsRecorder` that serves ``/metrics``."""
+    try:
+        from tokentrace.live_metrics import MetricsRecorder, serve_metrics
+
+        live = MetricsRecorder(recorder)
+        serve_metrics(live, port=port, host=host)
+    except BaseException:
+        recorder.close()
+        raise
+    return live
+
+
 def instrument(
     target: Any = None,
     *,
@@ -102,6 +124,8 @@ def instrument(
     name: str | None = None,
     instance_id: int | None = None,
     trace_config: Mapping[str, Any] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
     **options: Any,
 ) -> Handle:
     """Start tracing this process and bind the manual API to it.
@@ -118,11 +142,18 @@ def instrument(
     sink's ``instance_id`` attribute if it has one, else a random 63-bit id); a
     store writer chooses its own. ``trace_config``: JSON-serializable facts
     about the run (workload, settings) for the store's manifest; only with
-    ``store``. ``options``: any of ``RECORDER_OPTIONS``.
+    ``store``. ``metrics_port``: serve live Prometheus metrics of this process on
+    ``metrics_host:metrics_port`` (``/metrics``; 0 = any free port, a taken one moves to the
+    next; :mod:`tokentrace.live_metrics`; needs ``prometheus-client``). ``options``: any of
+    ``RECORDER_OPTIONS``.
 
-    Raises ``TypeError`` for an unsupported target or unknown option,
-    ``ValueError`` for bad arguments; creating the store may raise ``OSError``.
-    Nothing stays bound or attached when it raises.
+    Raises ``TypeError`` for an unsupported target or unknown option and
+    ``ValueError`` for bad arguments; nothing stays bound or attached when it raises.
+    A store that cannot be opened (read-only, a path under a file, a full disk) does
+    not raise: it is logged as one warning and the handle traces nothing (its
+    ``untraced_reason`` says why; the target is left as it was), because tracing must
+    never stop the server it wraps. Later failures to write (the disk fills up) are
+    counted in ``counters["sink_errors"]`` and noted in the run's manifest.
     """
     adapter = None if target is None else adapter_for(target)
     unknown = sorted(set(options) - set(RECORDER_OPTIONS))
@@ -134,10 +165,17 @@ def instrument(
     if name is None:
         suggested = None if adapter is None else adapter.default_name(target)
         name = suggested if suggested else f"{the_role.label}-{os.getpid()}"
-    sink, instance_id = _open_sink(store, run, sink, instance_id, trace_config,
-                                   dict(options, role=the_role.label, name=name))
-    recorder = BufferedRecorder(sink, instance_id=instance_id, **options)
+    try:
+        sink, instance_id = _open_sink(store, run, sink, instance_id, trace_config,
+                                       dict(options, role=the_role.label, name=name))
+    except OSError as err:
+        reason = f"cannot open the store at {store}: {err.strerror or err}"
+        log.warning("tokentrace: %s; the program runs on without tracing", reason)
+        return Handle(UntracedRecorder(reason))
+    recorder: Recorder = BufferedRecorder(sink, instance_id=instance_id, **options)
     recorder.instance(role=the_role, name=name)
+    if metrics_port is not None:
+        recorder = _with_metrics(recorder, metrics_port, metrics_host)
     tracer, detach = None, None
     if adapter is not None:
         try:

@@ -22,8 +22,9 @@ __all__ = ["PARAM", "run_picker", "choice", "grouping_picker", "register_callbac
 PARAM = "tt-param"
 """Pattern-matching id type of every control that writes a URL parameter."""
 
-_RESETS = {"run": ("request", "page"), "tenant": ("request", "page"), "slo": ("request", "page"),
-           "sort": ("page",)}  # changing a key invalidates these
+_RESETS = {"run": ("request", "page", "token"), "tenant": ("request", "page", "token"),
+           "slo": ("request", "page", "token"), "sort": ("page",), "request": ("token",)}
+# changing a key invalidates these
 
 
 def run_picker(src: DataSource, selected: str | None, *, name: str = "run", label: str = "Run") -> html.Label:

@@ -57,6 +57,22 @@ EXPLAIN: dict[str, str] = {
              "trend (a queue slowing everyone is not a neighbour), with sample sizes and a permutation p-value "
              "(Holm-adjusted). Judged with at least 10 windows, 2 bursts and 5 victim requests in them; flagged "
              "(red) at p < 0.05 with at least 5 ms and 10% more TTFT.",
+    "capacity_throughput": "Over the run (first arrival to last end): requests completed per second and output tokens "
+                           "delivered per second, beside the offered load (arrivals per second over the arrival "
+                           "window). Percentiles over requests (ITL: over tokens), server view.",
+    "capacity_time": "On one time axis, per window since the first arrival: TTFT percentiles of the requests that "
+                     "arrived in the window (dashed: the SLO targets), the requests in flight (arrived, not ended) "
+                     "and waiting for their first token (time averages over the window), the engines' own waiting "
+                     "queue (steps), and the offered and completed request rates with output tokens per second.",
+    "capacity_load": "Each point is one window of this run: its offered load (arrivals per second) against the TTFT "
+                     "and ITL percentiles of the requests that arrived in it. Latency that climbs with load shows "
+                     "where the server stops keeping up.",
+    "capacity_runs": "Each point is one run of the store (the 12 newest): its offered load against its latency "
+                     "percentiles; the run shown is ringed.",
+    "capacity_prompt": "TTFT percentiles per prompt-length bin (each bin about the same number of requests): the "
+                       "cost of a longer prompt before its first token.",
+    "capacity_cdf": "Share of requests (ITL: of tokens) at or under each latency. Dashed: the SLO targets (TTFT "
+                    "targets on TTFT, TPOT targets on ITL and TPOT).",
     "compare": "Candidate against baseline: each metric's change with a bootstrap 95% confidence interval, its "
                "p-value (Holm-adjusted over every row) and sample sizes. Significant: adjusted p < 0.05, at least "
                "0.1 ms and, unless the baseline is near zero, at least 2%. Regressions (red) are ranked by their "

@@ -29,7 +29,7 @@ SOURCE_KEY = "TOKENTRACE_DATA_SOURCE"
 """Flask config key under which :func:`dashboard.app.create_app` puts the app's DataSource."""
 
 VIEWS: tuple[tuple[str, str], ...] = (
-    ("/", "Overview"), ("/breakdown", "Breakdown"), ("/explorer", "Requests"), ("/queues", "Queues"),
+    ("/", "Overview"), ("/capacity", "Capacity"), ("/breakdown", "Breakdown"), ("/explorer", "Requests"), ("/queues", "Queues"),
     ("/cache", "Cache"), ("/pd-ratio", "PD ratio"), ("/batch", "Batch"), ("/tenants", "Tenants"),
     ("/compare", "Compare"),
 )
@@ -55,6 +55,7 @@ class ViewQuery:
     request: str = ""  # explorer: the selected request id
     sort: str = ""  # explorer: column to sort by
     page: int = 0  # explorer: page of the request table
+    token: str = ""  # explorer: the output token the waterfall is zoomed to ("" = the whole request)
 
     def to_params(self) -> dict[str, str]:
         """Non-default fields as URL parameters."""
@@ -79,6 +80,8 @@ def parse_query(query: dict[str, Any]) -> ViewQuery:
         values[key] = text
     if values.get("by", "") not in GROUPINGS:
         raise StoreError(f"grouping {values['by'][:40]!r} is not one of: {', '.join(k for k in GROUPINGS if k)}")
+    if values.get("token", "") and not values["token"].isdigit():
+        raise StoreError(f"token {values['token'][:40]!r} is not a token index (0, 1, 2, ...)")
     if "page" in values:
         if not values["page"].isdigit():
             raise StoreError(f"page {values['page'][:40]!r} is not a page number")
@@ -97,8 +100,8 @@ def href(path: str, q: ViewQuery, **changes: Any) -> str:
     return path + ("?" + urlencode(params) if params else "")
 
 
-def notice(sentence: str, *, kind: str = "info") -> html.Div:
-    """A one-sentence message box (``kind``: info or error)."""
+def notice(sentence: Any, *, kind: str = "info") -> html.Div:
+    """A one-sentence message box (``kind``: info or error); ``sentence`` may be a list of text and links."""
     return html.Div(sentence, className=f"tt-notice tt-{kind}", role="alert" if kind == "error" else "status")
 
 

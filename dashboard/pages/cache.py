@@ -76,8 +76,9 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
                                          ("reload_ratio", "Evicted blocks loaded back", "ratio")],
                      "cache-churn", "No evictions were recorded in this run.")
     transfers = graph_or_notice(rep.transfers, "cache-transfers", lambda f: bars(
-        f.assign(what=f["kind"].astype(str) + " · " + f["tier"].astype(str)), "what", ["bytes"],
-        title="KV bytes moved", yaxis="bytes"), "No swaps, offloads, loads or prefetches in this run.")
+        f.assign(what=f["kind"].astype(str) + " · " + f["tier"].astype(str), mib=f["bytes"] / 2**20), "what",
+        ["mib"], names=["KV moved (MiB)"], title="KV blocks moved between tiers", yaxis="MiB"),
+        "No swaps, offloads, loads or prefetches in this run.")
     return [explained("Prefix cache", EXPLAIN["cache_prefix"], _prefix(rep.prefix)),
             explained("Hit rate over time", EXPLAIN["cache_hit_rate_time"], _over_time(rep.hit_rate_over_time, best)),
             explained("What a hit saves", EXPLAIN["cache_hit_value"], *_hit_value(rep.hit_value)),

@@ -1,4 +1,12 @@
-"""Request explorer: a server-side paged, sortable, filterable table of requests; the selected one's waterfall."""
+"""Request explorer: the chosen request's waterfall beside a server-side paged, sortable, filterable table.
+
+The waterfall is there at once: without a chosen request it shows the first row of
+the table (the slowest request of the page). A click on a row puts its id into the
+URL (``request``) and the page re-renders with that request's waterfall; the zoom
+picker puts a token index into the URL (``token``) and the waterfall's time axis
+closes in on that token's interval. Request ids (63-bit integers) travel as
+strings and are never shown: a request is named by its own key.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,15 @@ from typing import Any
 import dash
 import pandas as pd
 from dash import Input, Output, State, dash_table, html
+from dash.dash_table.Format import Format, Group, Scheme
 
 from dashboard.components.controls import choice, new_search, run_picker
 from dashboard.components.explanations import EXPLAIN
-from dashboard.components.figures import explained, graph
+from dashboard.components.figures import explained, fmt, graph
 from dashboard.components.shell import ViewQuery, guarded, live_callback, notice, page, parse_query, source
-from dashboard.components.waterfall import waterfall_figure
+from dashboard.components.waterfall import request_name, token_intervals_ms, waterfall_figure
 from dashboard.data import MAX_LISTED_REQUESTS, DataSource
+from tokentrace.report.render_names import column_label
 from tokentrace.schema import col
 
 PATH = "/explorer"
@@ -21,18 +31,23 @@ dash.register_page(__name__, path=PATH, name="Requests", title="tokentrace · re
 
 PAGE_SIZE = 20  # rows per page of the request table
 TABLE_ID = "explorer-table"
-COLUMNS = (col.REQUEST_ID, col.REQUEST_KEY, col.TENANT, col.SLO_CLASS, "ttft_ms", "tpot_ms", "e2e_ms",
-           col.NUM_OUTPUT_TOKENS)
+COLUMNS = (col.REQUEST_KEY, col.TENANT, col.SLO_CLASS, "ttft_ms", "tpot_ms", "e2e_ms", col.NUM_OUTPUT_TOKENS)
+"""Shown columns; each row also carries its request id (as a string) for the selection, not shown."""
 _DEFAULT_SORT = "e2e_ms"
+_MS = Format(group=Group.yes, precision=1, scheme=Scheme.fixed)
 
 
 def table_rows(rows: pd.DataFrame) -> list[dict[str, Any]]:
-    """Rows for the browser: the shown columns only, ids as strings (JavaScript numbers lose 63-bit ids)."""
-    shown = rows[[c for c in COLUMNS if c in rows.columns]].copy()
+    """Rows for the browser: the shown columns and the id as a string (JavaScript numbers lose 63-bit ids)."""
+    keep = [c for c in (col.REQUEST_ID, *COLUMNS) if c in rows.columns]
+    shown = rows[keep].copy()
     shown[col.REQUEST_ID] = shown[col.REQUEST_ID].astype("int64").astype(str)
     for c in ("ttft_ms", "tpot_ms", "e2e_ms"):
         if c in shown:
             shown[c] = shown[c].astype(float).round(3)
+    for c in (col.TENANT, col.SLO_CLASS):
+        if c in shown:
+            shown[c] = shown[c].fillna("").replace({"": "(none)"})
     return shown.astype(object).where(shown.notna(), None).to_dict("records")
 
 
@@ -49,32 +64,73 @@ def _fetch(src: DataSource, q: ViewQuery, page_no: int) -> tuple[list[dict[str, 
     return table_rows(rows), pages
 
 
-def _table(src: DataSource, q: ViewQuery) -> Any:
-    data, pages = _fetch(src, q, q.page)
+_HEADERS = {col.REQUEST_KEY: "request", col.SLO_CLASS: "class", "ttft_ms": "TTFT ms", "tpot_ms": "TPOT ms",
+            "e2e_ms": "E2E ms", col.NUM_OUTPUT_TOKENS: "tokens"}  # short: the table sits beside the waterfall
+
+
+def _column(c: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {"name": _HEADERS.get(c, column_label(c)), "id": c}
+    if c.endswith("_ms"):
+        spec.update(type="numeric", format=_MS)
+    elif c == col.NUM_OUTPUT_TOKENS:
+        spec.update(type="numeric", format=Format(group=Group.yes))
+    return spec
+
+
+def _table(q: ViewQuery, data: list[dict[str, Any]], pages: int, chosen: str) -> Any:
     sort, desc = _sort_of(q)
+    selected = [i for i, r in enumerate(data) if r[col.REQUEST_ID] == chosen]
     return dash_table.DataTable(
-        id=TABLE_ID, data=data, columns=[{"name": c, "id": c} for c in COLUMNS],
+        id=TABLE_ID, data=data, columns=[_column(c) for c in COLUMNS],
         page_action="custom", page_current=min(q.page, pages - 1), page_size=PAGE_SIZE, page_count=pages,
         sort_action="custom", sort_mode="single",
         sort_by=[{"column_id": sort, "direction": "desc" if desc else "asc"}],
-        style_table={"overflowX": "auto"}, style_cell={"fontSize": "13px", "padding": "4px 8px", "cursor": "pointer"},
+        style_table={"overflowX": "auto"}, style_cell={"fontSize": "13px", "padding": "4px 6px", "cursor": "pointer"},
         style_header={"fontWeight": "bold"},
-        style_data_conditional=[{"if": {"filter_query": f"{{{col.REQUEST_ID}}} = '{q.request}'"},
-                                 "backgroundColor": "#e8f0fe"}] if q.request else [])
+        style_data_conditional=[{"if": {"row_index": i}, "backgroundColor": "#dbe7fd", "fontWeight": "bold"}
+                                for i in selected])
 
 
-def _waterfall(src: DataSource, q: ViewQuery) -> list[Any]:
-    if not q.request:
-        return [notice("Select a request in the table to see its waterfall.")]
-    trace = src.request_trace(q.run, q.request)
-    return [graph(waterfall_figure(trace), "explorer-waterfall")]
+def _zoom_picker(q: ViewQuery, intervals: dict[int, tuple[float, float]]) -> Any:
+    options = [{"label": "the whole request", "value": ""}] + [
+        {"label": f"token {i}{' (first token)' if i == 0 else ''}: {hi - lo:,.2f} ms", "value": str(i)}
+        for i, (lo, hi) in sorted(intervals.items())]
+    return choice("token", "Zoom to", options, q.token or "", clearable=False, width="22em")
+
+
+def _waterfall(src: DataSource, q: ViewQuery, chosen: str, row: dict[str, Any] | None) -> list[Any]:
+    if not chosen:
+        return [notice("No request matches these filters: nothing to draw.")]
+    trace = src.request_trace(q.run, chosen)
+    intervals = token_intervals_ms(trace)
+    focus = int(q.token) if q.token else None
+    if focus is not None and focus not in intervals:
+        return [notice(f"Request {request_name(trace)} has no token {focus}: it delivered {len(intervals):,} "
+                       f"token(s).", kind="error")]
+    facts = []
+    if row is not None:
+        facts = [f"tenant {row.get(col.TENANT) or '(none)'}", f"class {row.get(col.SLO_CLASS) or '(none)'}",
+                 f"TTFT {fmt(row.get('ttft_ms'), 'ms', 1)}", f"end-to-end {fmt(row.get('e2e_ms'), 'ms', 1)}",
+                 f"{fmt(row.get(col.NUM_OUTPUT_TOKENS))} output tokens"]
+    zoomed = "" if focus is None else f", zoomed to token {focus}"
+    facts.append(f"on the run's reference clock{zoomed}")
+    fig = waterfall_figure(trace, title="", focus_token=focus)
+    return [html.Div([html.H3(f"Request {request_name(trace)}", className="tt-detail-title"),
+                      html.P(" · ".join(facts), className="tt-explain", id="explorer-facts")]),
+            html.Div([_zoom_picker(q, intervals)], className="tt-controls"),
+            graph(fig, "explorer-waterfall")]
 
 
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
-    """The request table of run ``q.run`` and the waterfall of ``q.request``."""
+    """The waterfall of ``q.request`` (else the table's first row) beside the request table of run ``q.run``."""
     src.resolve(q.run)
-    return [explained("Requests", EXPLAIN["explorer"].format(n=MAX_LISTED_REQUESTS), _table(src, q)),
-            html.Div(guarded(_waterfall, src, q), id="explorer-detail", className="tt-section")]
+    data, pages = _fetch(src, q, q.page)
+    chosen = q.request or (data[0][col.REQUEST_ID] if data else "")
+    row = next((r for r in data if r[col.REQUEST_ID] == chosen), None)
+    listing = explained("Requests", EXPLAIN["explorer"].format(n=MAX_LISTED_REQUESTS), _table(q, data, pages, chosen))
+    detail = html.Div(guarded(_waterfall, src, q, chosen, row), id="explorer-detail",
+                      className="tt-section tt-explorer-detail")
+    return [html.Div([detail, html.Div([listing], className="tt-explorer-list")], className="tt-explorer")]
 
 
 def controls(src: DataSource, q: ViewQuery) -> list[Any]:

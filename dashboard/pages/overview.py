@@ -12,6 +12,7 @@ from dashboard.components.controls import grouping_picker, run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, explained, fmt, graph_or_notice, kpis, lines
 from dashboard.components.shell import GROUP_COLUMN, GROUPINGS, ViewQuery, live_callback, notice, page
+from dashboard.components.slo_lines import add_slo_lines, slo_targets
 from dashboard.data import DataSource, series_window_s
 from tokentrace.report.headline import advice_sentence, load_sentence
 from tokentrace.schema import STEPS, col
@@ -87,14 +88,17 @@ def _counters(src: DataSource, rid: str) -> list[Any]:
 def _series(src: DataSource, rid: str) -> list[Any]:
     w = series_window_s(src.info(rid).duration_ns)
     frame = src.result(rid, "latency", window_s=w)
+    targets = slo_targets(src.result(rid, "slo"))
     graphs = []
     for metric, label in _SERIES:
         rows = frame[frame["metric"] == metric] if len(frame) else frame
-        graphs.append(graph_or_notice(
-            rows, f"overview-series-{metric}",
-            lambda r, label=label: lines(r, "window_start_s", ["p50_ms", "p99_ms"], title=f"{label} per {w} s window",
-                                         xaxis="s since the run started", yaxis="ms"),
-            f"No {label} samples in this run."))
+
+        def build(r: pd.DataFrame, metric: str = metric, label: str = label) -> Any:
+            fig = lines(r, "window_start_s", ["p50_ms", "p99_ms"], title=f"{label} per {w} s window",
+                        xaxis="s since the run started", yaxis="ms")
+            return add_slo_lines(fig, targets, metric)
+
+        graphs.append(graph_or_notice(rows, f"overview-series-{metric}", build, f"No {label} samples in this run."))
     return [explained("Over time", EXPLAIN["latency_series"], html_row(graphs))]
 
 
@@ -127,11 +131,13 @@ def _grouped(src: DataSource, rid: str, by: str) -> list[Any]:
         return []
     frame = src.result(rid, "latency", by=by)
     group = GROUP_COLUMN[by]
+    names = src.instance_names(rid) if group == col.INSTANCE_ID else None
     graphs = []
     for metric, label in _SERIES:
         rows = frame[frame["metric"] == metric] if len(frame) else frame
         graphs.append(graph_or_notice(rows, f"overview-by-{metric}", lambda r, label=label: bars(
-            r, group, ["p50_ms", "p99_ms"], title=f"{label} {GROUPINGS[by]}", yaxis="ms"), f"No {label} samples."))
+            r, group, ["p50_ms", "p99_ms"], title=f"{label} {GROUPINGS[by]}", yaxis="ms", instance_names=names),
+            f"No {label} samples {GROUPINGS[by]} in this run."))
     return [explained(f"Latency {GROUPINGS[by]}", EXPLAIN["latency"], html_row(graphs))]
 
 

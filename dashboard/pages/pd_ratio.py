@@ -23,10 +23,6 @@ _ADVICE_COLUMNS = ["pool", "current_instances", "instances", "lacks", "utilisati
                    "slo_target_ms", "slo_reachable"]
 
 
-def _instance_label(frame: Any) -> Any:
-    return frame.assign(instance=frame["role"].astype(str) + " · " + frame[col.INSTANCE_ID].astype(str))
-
-
 def _count(value: Any) -> str:
     return str(int(value)) if value is not None and not (isinstance(value, float) and math.isnan(value)) else "—"
 
@@ -52,15 +48,16 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Prefill:decode analyses of run ``q.run``."""
     rid = src.resolve(q.run)
     rep = src.result(rid, "pd_ratio")
+    names = src.instance_names(rid)
     util = graph_or_notice(rep.utilisation, "pd-utilisation", lambda f: bars(
-        _instance_label(f), "instance", ["prefill_utilisation", "decode_utilisation"],
+        f, col.INSTANCE_ID, ["prefill_utilisation", "decode_utilisation"], instance_names=names,
         title="Utilisation per instance", yaxis="share of wall time"), "This run has no engine steps.")
     pools = bars_row(rep.pools, "role", [("prefill_tokens_per_s", "Prefill throughput per busy second", "tokens/s"),
                                          ("decode_tokens_per_s", "Decode throughput per busy second", "tokens/s")],
                      "pd-pools", "This run has no engine steps.")
     marks = graph_or_notice(rep.watermarks, "pd-watermarks", lambda f: bars(
-        f.assign(instance=f[col.INSTANCE_ID].astype(str)), "instance",
-        ["max_waiting", "p95_waiting", "max_running", "p95_running"], title="Queue watermarks", yaxis="requests"),
+        f, col.INSTANCE_ID, ["max_waiting", "p95_waiting", "max_running", "p95_running"], instance_names=names,
+        title="Queue watermarks", yaxis="requests"),
         "This run has no engine steps.")
     return [explained("Instances for the offered load", EXPLAIN["pd_recommendation"] + " " + EXPLAIN["pd_kv"],
                       *_advice(rep.recommendation, rep.demand, rep.kv_transfer)),

@@ -21,15 +21,18 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Queue analyses of run ``q.run``."""
     rid = src.resolve(q.run)
     report = src.result(rid, "queues")
+    names = src.instance_names(rid)
     timeline = graph_or_notice(report.timeline, "queues-timeline", lambda f: lines(
         f, "t_s", [col.NUM_WAITING, col.NUM_RUNNING, col.NUM_PREEMPTED], group=col.INSTANCE_ID,
-        title="Queue lengths per engine instance", xaxis="s since the run started", yaxis="requests"),
+        instance_names=names, title="Requests waiting, running and preempted, per engine instance",
+        xaxis="s since the run started", yaxis="requests (mean per second)"),
         "This run has no engine steps, so no queue lengths.")
     delay = graph_or_notice(report.delay, "queues-delay", lambda f: bars(
         f, col.SLO_CLASS, ["p50_ms", "p90_ms", "p99_ms", "max_ms"], title="Queueing delay by SLO class",
         yaxis="ms"), "No request waited in schedule.queue in this run.")
     little = report.littles_law
-    little_part = table(little, "queues-littles-law") if len(little) else notice("No steps to check Little's law on.")
+    little_part = (table(little, "queues-littles-law", instance_names=names) if len(little)
+                   else notice("No steps to check Little's law on."))
     return [explained("Queue lengths", EXPLAIN["queues_timeline"], timeline),
             explained("Queueing delay", EXPLAIN["queue_delay"], delay),
             explained("Little's law", EXPLAIN["littles_law"], little_part)]

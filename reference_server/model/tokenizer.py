@@ -26,7 +26,8 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the bos token first when the tokenizer adds one."""
+        """Token ids of ``text``, with the bos token first when the tokenizer adds one.
+        ``ValueError`` for text that is not valid Unicode (a lone surrogate)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -54,7 +55,7 @@ class ByteTokenizer:
         self.vocab_size = 259
 
     def encode(self, text: str) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(_utf8(text))
         return [self.BOS, *ids] if self.add_bos else ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -110,10 +111,20 @@ class HFTokenizer:
         return None
 
     def encode(self, text: str) -> list[int]:
+        _utf8(text)  # the Rust side would raise its own error for a lone surrogate
         return list(self._tok.encode(text).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8; ``ValueError`` naming the first lone surrogate (it has no UTF-8 form)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: it holds a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start}") from None
 
 
 def _special_token_hints(folder: Path) -> dict[str, int | str]:

@@ -6,8 +6,11 @@ waits for its ``READY <port>`` line, connects its control connection and says ``
 Then two tasks run on the backend's event loop: a reader that hands every frame to the
 cluster (pongs are handled here: stats, clock samples) and a heartbeat that pings every
 ``heartbeat_interval_s``. The worker is declared dead, once, on EOF or a read error on
-the control connection, or when no pong arrived for ``heartbeat_timeout_s``; a dead
-worker's process is killed (if it still runs) and reaped, and ``on_dead`` is called.
+the control connection, or when no pong arrived for ``heartbeat_timeout_s``, and
+``on_dead`` is called at once (its requests are sent elsewhere). A hung worker (no pong)
+is killed right away; one that closed its connection is exiting on its own (a Ctrl-C
+reached it too, or its engine failed), so it gets ``exit_grace_s`` to finish exiting (a
+tracer flushes its events at exit) before it is killed. Either way it is reaped.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class WorkerHandle:
 
     def __init__(self, *, name: str, role: str, config_json: str, delay_spec: str = "", kv_chunk_blocks: int = 16,
                  host: str = "127.0.0.1", heartbeat_interval_s: float = 0.2, heartbeat_timeout_s: float = 1.0,
+                 exit_grace_s: float = 10.0,
                  on_frame: Callable[[WorkerHandle, dict[str, Any]], None],
                  on_dead: Callable[[WorkerHandle, str], None],
                  on_clock: Callable[[ClockSample], None] | None = None) -> None:
@@ -45,6 +49,7 @@ class WorkerHandle:
                       "--host", host, "--port", "0", "--config", config_json, "--delay", delay_spec,
                       "--kv-chunk-blocks", str(kv_chunk_blocks)]
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.exit_grace_s = exit_grace_s
         self._on_frame, self._on_dead, self._on_clock = on_frame, on_dead, on_clock
         self.proc: asyncio.subprocess.Process | None = None
         self.port = 0
@@ -112,12 +117,14 @@ class WorkerHandle:
         if self._writer is not None:
             self._writer.close()
 
-    def declare_dead(self, reason: str) -> None:
-        """Mark the worker dead (once), kill its process and tell the cluster."""
+    def declare_dead(self, reason: str, *, exiting: bool = False) -> None:
+        """Mark the worker dead (once) and tell the cluster; kill its process now, or, when it
+        is ``exiting`` on its own (it closed its connection), after ``exit_grace_s``."""
         if not self.alive or self.stopping:
             return
         self.alive = False
-        self._kill()
+        if not exiting:
+            self._kill()
         if self._writer is not None:
             self._writer.close()
         current = asyncio.current_task()
@@ -125,8 +132,17 @@ class WorkerHandle:
             if task is not current:
                 task.cancel()
         if self.proc is not None:
-            self._tasks.append(asyncio.ensure_future(self.proc.wait()))  # reap it
+            self._tasks.append(asyncio.ensure_future(self._reap(self.exit_grace_s if exiting else 0.0)))
         self._on_dead(self, reason)
+
+    async def _reap(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the process to exit, then kill it; reap it either way."""
+        assert self.proc is not None
+        try:
+            await asyncio.wait_for(self.proc.wait(), grace_s)
+        except asyncio.TimeoutError:
+            self._kill()
+            await self.proc.wait()
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -136,7 +152,7 @@ class WorkerHandle:
                 pass
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
-        reason = "connection_lost"
+        reason, exiting = "connection_lost", True  # EOF: the worker closed it, i.e. it is exiting
         try:
             while True:
                 frame = await read_frame(reader)
@@ -148,8 +164,8 @@ class WorkerHandle:
                 else:
                     self._on_frame(self, header)
         except (WireError, OSError) as exc:
-            reason = f"connection_lost ({exc!r})"
-        self.declare_dead(reason)
+            reason, exiting = f"connection_lost ({exc!r})", False
+        self.declare_dead(reason, exiting=exiting)
 
     def _on_pong(self, h: dict[str, Any]) -> None:
         now = time.monotonic_ns()

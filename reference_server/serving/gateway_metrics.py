@@ -20,7 +20,12 @@ The backend's state is read at scrape time from ``backend.stats()``: gauges
 ``reference_server_instance_up{instance,role}``, and counters
 ``reference_server_prefix_cache_{query,hit}_tokens_total{instance,role}``,
 ``reference_server_kv_transfer_{sent,received}_bytes_total{instance,role}``,
-``reference_server_redispatched_requests_total``.
+``reference_server_redispatched_requests_total``. A dead instance keeps only its ``up``
+gauge (0): its last reported queue lengths, KV blocks and counters describe a process that
+is gone (a restarted one starts its counters afresh).
+
+:meth:`GatewayMetrics.render_tenant` is what one tenant's key may read: the series
+labelled with that tenant, nothing about other tenants or the backend.
 
 All methods run on the event-loop thread (``backend.stats()`` requires it).
 """
@@ -74,6 +79,25 @@ class GatewayMetrics:
         """The registry in Prometheus text format."""
         return generate_latest(self.registry)
 
+    def render_tenant(self, tenant: str) -> bytes:
+        """Only the samples labelled ``tenant=<tenant>``, in Prometheus text format."""
+        return generate_latest(_TenantView(self.registry, tenant))  # type: ignore[arg-type]
+
+
+class _TenantView:
+    """A registry-like view (``collect``) keeping one tenant's samples."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self._registry, self._tenant = registry, tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            samples = [s for s in family.samples if s.labels.get("tenant") == self._tenant]
+            if samples:
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = samples
+                yield kept
+
 
 class _BackendCollector(Collector):
     """Turns one ``BackendStats`` snapshot into gauges and counters at scrape time."""
@@ -113,6 +137,8 @@ class _BackendCollector(Collector):
         for inst in snapshot.instances:
             labels = [inst.name, inst.role]
             families["up"].add_metric(labels, 1.0 if inst.alive else 0.0)
+            if not inst.alive:  # its last reported gauges describe a process that is gone
+                continue
             families["waiting"].add_metric(labels, inst.num_waiting)
             families["running"].add_metric(labels, inst.num_running)
             families["preempted"].add_metric(labels, inst.num_preempted)

@@ -3,7 +3,9 @@
 Pure functions over parsed JSON: no I/O, no backend. Bad input raises
 :class:`OpenAIError`, which carries the HTTP status and renders OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are ignored,
-as the OpenAI API does; known fields of the wrong type are rejected.
+as the OpenAI API does; known fields of the wrong type are rejected, and so is text that
+is not valid Unicode (JSON's ``"\ud800"`` escape decodes to a lone surrogate, which has no
+UTF-8 form to tokenize or echo).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("you must provide a prompt parameter", "prompt", code="missing_required_parameter")
     prompt = _prompt(body["prompt"])
+    if isinstance(prompt, str):
+        _check_text(prompt, "prompt")
     if body.get("echo"):
         raise _bad("echo is not supported by this server", "echo")
     return _common(body, TEXT_COMPLETION, prompt=prompt, messages=None,
@@ -94,6 +98,7 @@ def _common(body: Mapping[str, Any], operation: str, *, prompt: str | tuple[int,
         raise _bad("you must provide a model parameter", "model", code="missing_required_parameter")
     if not isinstance(model, str):
         raise _bad(f"model must be a string, got {_type(model)}", "model")
+    _check_text(model, "model")
     n = _opt_int(body, "n", minimum=1)
     if n not in (None, 1):
         raise _bad("only n=1 is supported by this server", "n")
@@ -145,7 +150,9 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         if role not in _CHAT_ROLES:
             raise _bad(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}",
                        f"messages[{i}].role")
-        out.append({"role": _CHAT_ROLES[role], "content": _content(message.get("content"), i)})
+        content = _content(message.get("content"), i)
+        _check_text(content, f"messages[{i}].content")
+        out.append({"role": _CHAT_ROLES[role], "content": content})
     return tuple(out)
 
 
@@ -171,6 +178,8 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise _bad("stop must be a string or an array of strings", "stop")
     if not all(items):
         raise _bad("stop strings must not be empty", "stop")
+    for item in items:
+        _check_text(item, "stop")
     return tuple(items)
 
 
@@ -204,8 +213,10 @@ def _opt_number(body: Mapping[str, Any], name: str, *, low: float, high: float) 
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(f"{name} must be a number, got {_type(value)}", name)
+    if not math.isfinite(value):
+        raise _bad(f"{name} must be a finite number, got {value}", name)
     if not low <= value <= high:
         raise _bad(f"{name} must be between {low:g} and {high:g}, got {value}", name)
     return float(value)
@@ -222,7 +233,18 @@ def _opt_str(body: Mapping[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
         raise _bad(f"{name} must be a string, got {_type(value)}", name)
+    if value is not None:
+        _check_text(value, name)
     return value
+
+
+def _check_text(value: str, param: str) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (no UTF-8 form: not text)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(f"{param} is not valid Unicode text: it holds a lone surrogate "
+                   f"{value[exc.start]!r} at character {exc.start}", param) from None
 
 
 def _is_int(value: Any) -> bool:

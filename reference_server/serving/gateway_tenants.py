@@ -14,9 +14,15 @@ File shape (TOML; JSON is the same structure)::
     api_keys = ["sk-batch-1"]
     default_slo_class = "batch"
 
+    [admin]
+    api_keys = ["sk-ops-1"]            # may read /metrics and /health in full (optional)
+
 :func:`load_tenants` returns the engine's :class:`TenantConfig` list (for the
 ``EngineConfig`` the backend is built from), the key -> tenant map and the per-tenant
-default SLO class. :class:`TenantAuth` is what the gateway checks requests against.
+default SLO class. :class:`TenantAuth` is what the gateway checks requests against
+(:meth:`TenantAuth.from_file` also reads the admin keys). With tenants configured,
+``/metrics`` and ``/health`` show everything only to an admin key; a tenant's key sees
+its own series and the overall status, and no key gets 401.
 """
 
 from __future__ import annotations
@@ -30,27 +36,34 @@ from typing import Any
 
 from reference_server.engine import TenantConfig
 
-__all__ = ["DEFAULT_TENANT", "TenantAuth", "load_tenants", "parse_tenants"]
+__all__ = ["DEFAULT_TENANT", "TenantAuth", "load_tenants", "parse_tenants", "parse_admin_keys"]
 
 DEFAULT_TENANT = "default"  # the tenant of every request when auth is off
 _TENANT_FIELDS = ("weight", "max_concurrency", "max_tokens_per_s", "burst_tokens")
 _KNOWN_KEYS = frozenset({"api_keys", "default_slo_class", *_TENANT_FIELDS})
+_TOP_LEVEL = ("tenants", "admin")
+
+
+def _read_document(path: str | Path) -> tuple[Path, Any]:
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"cannot read tenants file {file}: {reason}") from None
+    try:
+        return file, json.loads(text) if file.suffix.lower() == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise ValueError(f"tenants file {file}: syntax error: {exc}") from None
 
 
 def load_tenants(path: str | Path) -> tuple[list[TenantConfig], dict[str, str], dict[str, str]]:
     """Read a tenants file (``.toml`` or ``.json``, chosen by suffix; other suffixes are
     tried as TOML). Returns ``(tenants, api_key -> tenant name, tenant name -> default SLO
     class)``. Raises ``ValueError`` naming the file and the problem (missing file, syntax
-    error, unknown field, wrong type, a key shared by two tenants, no tenants)."""
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot read tenants file {file}: {exc.strerror or exc}") from None
-    try:
-        raw = json.loads(text) if file.suffix.lower() == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"tenants file {file}: syntax error: {exc}") from None
+    error, unknown field, wrong type, an empty key list, a key shared by two tenants, no
+    tenants)."""
+    file, raw = _read_document(path)
     try:
         return parse_tenants(raw)
     except ValueError as exc:
@@ -61,6 +74,9 @@ def parse_tenants(raw: Any) -> tuple[list[TenantConfig], dict[str, str], dict[st
     """:func:`load_tenants` on an already-parsed document (``{"tenants": {name: {...}}}``)."""
     if not isinstance(raw, Mapping) or not isinstance(raw.get("tenants"), Mapping) or not raw["tenants"]:
         raise ValueError("expected a non-empty 'tenants' table")
+    unknown_tables = sorted(str(k) for k in raw if k not in _TOP_LEVEL)
+    if unknown_tables:
+        raise ValueError(f"unknown top-level field(s) {', '.join(unknown_tables)}; known: {', '.join(_TOP_LEVEL)}")
     tenants: list[TenantConfig] = []
     keys: dict[str, str] = {}
     defaults: dict[str, str] = {}
@@ -72,7 +88,7 @@ def parse_tenants(raw: Any) -> tuple[list[TenantConfig], dict[str, str], dict[st
             raise ValueError(f"tenants.{name}: unknown field(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(_KNOWN_KEYS))}")
         tenants.append(_tenant_config(name, entry))
-        for key in _api_keys(name, entry.get("api_keys", [])):
+        for key in (_api_keys(name, entry["api_keys"]) if "api_keys" in entry else []):
             if key in keys:
                 raise ValueError(f"API key of tenants.{name} is also a key of tenants.{keys[key]}")
             keys[key] = name
@@ -82,6 +98,25 @@ def parse_tenants(raw: Any) -> tuple[list[TenantConfig], dict[str, str], dict[st
                 raise ValueError(f"tenants.{name}.default_slo_class must be a non-empty string")
             defaults[name] = slo
     return tenants, keys, defaults
+
+
+def parse_admin_keys(raw: Any, tenant_keys: Mapping[str, str]) -> frozenset[str]:
+    """The ``[admin] api_keys`` of a parsed tenants document (empty if it has no ``admin``
+    table). ``ValueError`` for a malformed table, an empty key list or a key that is also a
+    tenant's."""
+    admin = raw.get("admin") if isinstance(raw, Mapping) else None
+    if admin is None:
+        return frozenset()
+    if not isinstance(admin, Mapping):
+        raise ValueError("admin must be a table with api_keys")
+    unknown = sorted(str(k) for k in admin if k != "api_keys")
+    if unknown:
+        raise ValueError(f"admin: unknown field(s) {', '.join(unknown)}; known: api_keys")
+    keys = _api_keys("admin", admin.get("api_keys"), prefix="")
+    for key in keys:
+        if key in tenant_keys:
+            raise ValueError(f"an admin API key is also a key of tenants.{tenant_keys[key]}")
+    return frozenset(keys)
 
 
 def _tenant_config(name: str, entry: Mapping[str, Any]) -> TenantConfig:
@@ -101,11 +136,17 @@ def _tenant_config(name: str, entry: Mapping[str, Any]) -> TenantConfig:
         raise ValueError(f"tenants.{name}: {exc}") from None
 
 
-def _api_keys(name: str, value: Any) -> list[str]:
+def _api_keys(name: str, value: Any, *, prefix: str = "tenants.") -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
-        raise ValueError(f"tenants.{name}.api_keys must be a list of non-empty strings")
+        raise ValueError(f"{prefix}{name}.api_keys must be a list of non-empty strings")
+    if not value:
+        raise ValueError(f"{prefix}{name}.api_keys is empty, so no request could use it: list at least one key "
+                         f"(or leave api_keys out for a tenant that only configures scheduling)")
+    if not all(k.isprintable() and " " not in k and k.isascii() for k in value):
+        raise ValueError(f"{prefix}{name}.api_keys must be printable ASCII without spaces (they travel in an "
+                         f"HTTP header)")
     return value
 
 
@@ -119,12 +160,18 @@ class TenantAuth:
     default_slo_classes: Mapping[str, str] = field(default_factory=dict)
     default_tenant: str = DEFAULT_TENANT
     default_slo_class: str = "interactive"
+    admin_keys: frozenset[str] = frozenset()  # may read /metrics and /health in full
 
     @classmethod
     def from_file(cls, path: str | Path, *, default_slo_class: str = "interactive") -> TenantAuth:
-        """Auth on, with the keys and defaults of a tenants file."""
-        _, keys, defaults = load_tenants(path)
-        return cls(keys=keys, default_slo_classes=defaults, default_slo_class=default_slo_class)
+        """Auth on, with the keys, defaults and admin keys of a tenants file."""
+        file, raw = _read_document(path)
+        try:
+            _, keys, defaults = parse_tenants(raw)
+            admin = parse_admin_keys(raw, keys)
+        except ValueError as exc:
+            raise ValueError(f"tenants file {file}: {exc}") from None
+        return cls(keys=keys, default_slo_classes=defaults, default_slo_class=default_slo_class, admin_keys=admin)
 
     @property
     def enabled(self) -> bool:
@@ -135,13 +182,23 @@ class TenantAuth:
         when auth is on and the key is missing or unknown."""
         if self.keys is None:
             return self.default_tenant
-        if not authorization:
-            return None
-        scheme, _, key = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        return self.keys.get(key.strip())
+        key = _bearer_key(authorization)
+        return None if key is None else self.keys.get(key)
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether the header carries an admin key (always True when auth is off)."""
+        if self.keys is None:
+            return True
+        key = _bearer_key(authorization)
+        return key is not None and key in self.admin_keys
 
     def slo_class_for(self, tenant: str) -> str:
         """The default SLO class of ``tenant``."""
         return self.default_slo_classes.get(tenant, self.default_slo_class)
+
+
+def _bearer_key(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None

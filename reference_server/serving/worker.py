@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _load_plugins(worker)
-    asyncio.run(worker.serve())
+    try:
+        asyncio.run(worker.serve())
+    except KeyboardInterrupt:  # Ctrl-C before serve() took over SIGINT: just stop
+        return 130
     return worker.exit_code
 
 

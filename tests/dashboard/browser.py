@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCREENSHOT_NAMES", "visit", "wait_rendered", "severe_logs", "graph_points", "screenshot", "texts", "RENDER_TIMEOUT_S"]
+__all__ = ["SCREENSHOT_NAMES", "visit", "wait_rendered", "severe_logs", "graph_points", "screenshot", "texts",
+           "RENDER_TIMEOUT_S", "what_people_see"]
 
 RENDER_TIMEOUT_S = 60.0
 SCREENSHOT_NAMES: dict[str, str] = {
-    "/": "overview.png", "/breakdown": "breakdown.png", "/explorer": "explorer.png", "/queues": "queues.png",
+    "/": "overview.png", "/capacity": "capacity.png", "/breakdown": "breakdown.png", "/explorer": "explorer.png", "/queues": "queues.png",
     "/cache": "cache.png", "/pd-ratio": "pd-ratio.png", "/batch": "batch.png", "/tenants": "tenants.png",
     "/compare": "compare.png",
 }
@@ -47,6 +48,32 @@ for (const g of document.querySelectorAll('.dash-graph')) {
 }
 return out;
 """
+
+
+# What a person reads on the page: its text, the graphs' trace names (legends), their drawn texts (ticks, bar
+# labels, annotations), every number or numeric string the graphs were sent, and the tables' data cells.
+_PEOPLE_JS = """
+const out = {text: document.body.innerText, names: [], svg: [], numbers: [], table_ids: []};
+for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+  for (const t of (gd.data || [])) {
+    if (t.name) out.names.push(t.name);
+    for (const key of ['x', 'y', 'base', 'customdata', 'text']) {
+      const values = t[key];
+      if (!values || typeof values !== 'object' || !('length' in values)) continue;
+      for (const v of Array.from(values).flat()) {
+        if (typeof v === 'number' || typeof v === 'string') out.numbers.push(v);
+      }
+    }
+  }
+  for (const e of gd.querySelectorAll('text')) out.svg.push(e.textContent);
+}
+return out;
+"""
+
+
+def what_people_see(driver: Any) -> dict[str, Any]:
+    """The page's text, legend names, texts drawn in graphs, and the values the graphs were sent."""
+    return driver.execute_script(_PEOPLE_JS)
 
 
 def wait_rendered(driver: Any, *, timeout_s: float = RENDER_TIMEOUT_S) -> float:

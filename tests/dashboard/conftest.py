@@ -27,6 +27,8 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "screenshots"
 NUM_REQUESTS = 240
+BIG_IDS = (5477211705032059102, 4030198795875324637, 6805339585145160198)
+"""Gateway, engine and client ids as real runs have them (63-bit): a person must never see one."""
 
 
 class Served:
@@ -53,9 +55,9 @@ def stores() -> Iterator[dict[str, Any]]:
     runs: dict[str, SyntheticRun] = {}
     runs["partial"] = write_run(store, "partial", num_requests=60, seed=7, omit=(SPANS.name, STEPS.name), dropped=5)
     time.sleep(0.01)  # creation times order the runs
-    runs["base"] = write_run(store, "base", num_requests=NUM_REQUESTS, seed=1)
+    runs["base"] = write_run(store, "base", num_requests=NUM_REQUESTS, seed=1, instance_ids=BIG_IDS)
     time.sleep(0.01)
-    runs["cand"] = write_run(store, "cand", num_requests=NUM_REQUESTS, seed=2, slowdown=1.6)
+    runs["cand"] = write_run(store, "cand", num_requests=NUM_REQUESTS, seed=2, slowdown=1.6, instance_ids=BIG_IDS)
     empty = root / "empty"
     empty.mkdir()
     yield {"store": store, "runs": runs, "empty": empty, "missing": root / "missing", "root": root}

@@ -78,8 +78,7 @@ def _write(writer: StoreWriter, table, columns: dict[str, np.ndarray | list]) ->
         writer.write(table, data.slice(offset, _CHUNK))
 
 
-def _instances(writer: StoreWriter) -> None:
-    ids = [GATEWAY_ID, ENGINE_ID, CLIENT_ID]
+def _instances(writer: StoreWriter, ids: list[int]) -> None:
     roles = [Role.GATEWAY, Role.COLOCATED, Role.CLIENT]
     names = ["gateway-0", "engine-0", "client-0"]
     for iid, role, name in zip(ids, roles, names):
@@ -147,35 +146,44 @@ def write_run(
     seed: int = 0,
     omit: tuple[str, ...] = (),
     dropped: int = 0,
+    instance_ids: tuple[int, int, int] = (GATEWAY_ID, ENGINE_ID, CLIENT_ID),
+    slo_ms: dict[str, tuple[float, float]] | None = None,
 ) -> SyntheticRun:
-    """Write one synthetic run of ``num_requests`` requests into ``store``; tables named in ``omit`` are left out."""
+    """Write one synthetic run of ``num_requests`` requests into ``store``; tables named in ``omit`` are left out.
+
+    ``instance_ids``: the gateway's, the engine's and the client's ids (real runs have 63-bit ones).
+    ``slo_ms``: SLO class -> (TTFT, TPOT) targets in ms, written into the run's config."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
     n = num_requests
     g = _generate(rng, n, mean_output_tokens, slowdown, rate_rps)
-    writer = StoreWriter(store, run_id=run_id, config={"synthetic": {"num_requests": n, "slowdown": slowdown}})
+    config: dict = {"synthetic": {"num_requests": n, "slowdown": slowdown}}
+    if slo_ms:
+        config["slo"] = {k: {"ttft_ms": ttft, "tpot_ms": tpot} for k, (ttft, tpot) in slo_ms.items()}
+    writer = StoreWriter(store, run_id=run_id, config=config)
     try:
-        _instances(writer)
+        ids = list(instance_ids)
+        _instances(writer, ids)
         if REQUESTS.name not in omit:
-            _requests(writer, g.rid, g.arrival, g.first_sent, g.finish, g.prompt, g.cached, g.n_out, g.tenant_idx,
-                      g.slo_idx, rng)
+            _requests(writer, ids, g.rid, g.arrival, g.first_sent, g.finish, g.prompt, g.cached, g.n_out,
+                      g.tenant_idx, g.slo_idx, rng)
         if SPANS.name not in omit:
-            _spans(writer, g.rid, g.arrival, g.receive, g.queue, g.prefill, g.send0, g.req_of_tok, g.tok_idx, g.later,
+            _spans(writer, ids, g.rid, g.arrival, g.receive, g.queue, g.prefill, g.send0, g.req_of_tok, g.tok_idx, g.later,
                    g.tok_start, g.dq, g.dc, g.ds, g.step_of_tok)
         if TOKENS.name not in omit:
-            _tokens(writer, g.rid, g.req_of_tok, g.tok_idx, g.emit, g.sent, g.step_of_tok)
+            _tokens(writer, ids, g.rid, g.req_of_tok, g.tok_idx, g.emit, g.sent, g.step_of_tok)
         if STEPS.name not in omit:
-            _steps(writer, g.t0, g.step_of_tok, g.later, g.prompt[g.req_of_tok] - g.cached[g.req_of_tok], rng)
+            _steps(writer, ids, g.t0, g.step_of_tok, g.later, g.prompt[g.req_of_tok] - g.cached[g.req_of_tok], rng)
         if CACHE_EVENTS.name not in omit:
-            _cache_events(writer, g.rid, g.arrival + g.receive + g.queue, g.prompt, g.cached, rng)
+            _cache_events(writer, ids, g.rid, g.arrival + g.receive + g.queue, g.prompt, g.cached, rng)
         writer.update_counters({DROPPED: dropped, SAMPLED_OUT: 0})
     finally:
         writer.close()
     return SyntheticRun(run_id, Path(store) / run_id, g.rid, g.n_out)
 
 
-def _requests(writer, rid, arrival, first_sent, finish, prompt, cached, n_out, tenant_idx, slo_idx, rng) -> None:
+def _requests(writer, ids, rid, arrival, first_sent, finish, prompt, cached, n_out, tenant_idx, slo_idx, rng) -> None:
     n = rid.size
     tenants = np.array(TENANTS, dtype=object)[tenant_idx]
     slos = np.array(SLO_CLASSES, dtype=object)[slo_idx]
@@ -184,7 +192,7 @@ def _requests(writer, rid, arrival, first_sent, finish, prompt, cached, n_out, t
     per = {
         col.REQUEST_ID: np.concatenate([rid, rid, rid]),
         col.REQUEST_KEY: np.concatenate([keys, keys, keys]),
-        col.INSTANCE_ID: np.repeat(np.array([GATEWAY_ID, ENGINE_ID, CLIENT_ID], dtype=np.int64), n),
+        col.INSTANCE_ID: np.repeat(np.array(ids, dtype=np.int64), n),
         col.TENANT: np.concatenate([tenants, tenants, tenants]),
         col.SLO_CLASS: np.concatenate([slos, slos, slos]),
         col.ARRIVAL_NS: np.concatenate([arrival, arrival + 500_000, arrival - 200_000]),
@@ -200,7 +208,7 @@ def _requests(writer, rid, arrival, first_sent, finish, prompt, cached, n_out, t
     _write(writer, REQUESTS, per)
 
 
-def _spans(writer, rid, arrival, receive, queue, prefill, send0, req_of_tok, tok_idx, later,
+def _spans(writer, ids, rid, arrival, receive, queue, prefill, send0, req_of_tok, tok_idx, later,
            tok_start, dq, dc, ds, step_of_tok) -> None:
     n = rid.size
     # token 0: four back-to-back stages from arrival
@@ -217,7 +225,7 @@ def _spans(writer, rid, arrival, receive, queue, prefill, send0, req_of_tok, tok
         col.TOKEN_INDEX: np.zeros(4 * n, dtype=np.int32),
         col.START_NS: np.concatenate([b0, b1, b2, b3]),
         col.END_NS: np.concatenate([b1, b2, b3, b4]),
-        col.INSTANCE_ID: np.repeat(np.array([GATEWAY_ID, ENGINE_ID, ENGINE_ID, GATEWAY_ID], dtype=np.int64), n),
+        col.INSTANCE_ID: np.repeat(np.array([ids[0], ids[1], ids[1], ids[0]], dtype=np.int64), n),
         col.STEP: np.concatenate([np.full(n, -1), np.full(n, -1), first_steps, np.full(n, -1)]),
     }
     r = rid[req_of_tok[later]]
@@ -230,30 +238,30 @@ def _spans(writer, rid, arrival, receive, queue, prefill, send0, req_of_tok, tok
         col.TOKEN_INDEX: np.tile(ti, 3),
         col.START_NS: np.concatenate([s, s + dq, s + dq + dc]),
         col.END_NS: np.concatenate([s + dq, s + dq + dc, s + dq + dc + ds]),
-        col.INSTANCE_ID: np.repeat(np.array([ENGINE_ID, ENGINE_ID, GATEWAY_ID], dtype=np.int64), m),
+        col.INSTANCE_ID: np.repeat(np.array([ids[1], ids[1], ids[0]], dtype=np.int64), m),
         col.STEP: np.concatenate([np.full(m, -1), step_of_tok[later], np.full(m, -1)]),
     }
     for part in (zero, rest):
         _write(writer, SPANS, part)
 
 
-def _tokens(writer, rid, req_of_tok, tok_idx, emit, sent, step_of_tok) -> None:
+def _tokens(writer, ids, rid, req_of_tok, tok_idx, emit, sent, step_of_tok) -> None:
     k = req_of_tok.size
     r = rid[req_of_tok]
     ti = pa.array(tok_idx.astype(np.int32))
     _write(writer, TOKENS, {
         col.REQUEST_ID: r, col.TOKEN_INDEX: ti, col.EMIT_NS: emit, col.SENT_NS: sent,
         col.RECV_NS: pa.nulls(k, pa.int64()), col.STEP: step_of_tok,
-        col.INSTANCE_ID: np.full(k, ENGINE_ID, dtype=np.int64),
+        col.INSTANCE_ID: np.full(k, ids[1], dtype=np.int64),
     })
     _write(writer, TOKENS, {  # the client's view: when each chunk arrived
         col.REQUEST_ID: r, col.TOKEN_INDEX: ti, col.EMIT_NS: pa.nulls(k, pa.int64()),
         col.SENT_NS: pa.nulls(k, pa.int64()), col.RECV_NS: sent + 300_000,
-        col.STEP: pa.nulls(k, pa.int64()), col.INSTANCE_ID: np.full(k, CLIENT_ID, dtype=np.int64),
+        col.STEP: pa.nulls(k, pa.int64()), col.INSTANCE_ID: np.full(k, ids[2], dtype=np.int64),
     })
 
 
-def _steps(writer, t0, step_of_tok, later, uncached_prompt, rng) -> None:
+def _steps(writer, ids, t0, step_of_tok, later, uncached_prompt, rng) -> None:
     num_steps = int(step_of_tok.max()) + 1
     decode = np.bincount(step_of_tok[later], minlength=num_steps)
     prefill_tok = np.bincount(step_of_tok[~later], weights=uncached_prompt[~later], minlength=num_steps)
@@ -266,7 +274,7 @@ def _steps(writer, t0, step_of_tok, later, uncached_prompt, rng) -> None:
     start = t0 + k * _STEP_NS
     waiting = rng.poisson(2.0, size=k.size)
     _write(writer, STEPS, {
-        col.INSTANCE_ID: np.full(k.size, ENGINE_ID, dtype=np.int64), col.STEP: k.astype(np.int64),
+        col.INSTANCE_ID: np.full(k.size, ids[1], dtype=np.int64), col.STEP: k.astype(np.int64),
         col.START_NS: start, col.END_NS: start + dur, col.NUM_SEQS: seqs.astype(np.int64),
         col.NUM_PREFILL_TOKENS: prefill_tok[k].astype(np.int64), col.NUM_DECODE_TOKENS: decode[k].astype(np.int64),
         col.NUM_WAITING: waiting.astype(np.int64), col.NUM_RUNNING: seqs.astype(np.int64),
@@ -277,7 +285,7 @@ def _steps(writer, t0, step_of_tok, later, uncached_prompt, rng) -> None:
     })
 
 
-def _cache_events(writer, rid, lookup_ns, prompt, cached, rng) -> None:
+def _cache_events(writer, ids, rid, lookup_ns, prompt, cached, rng) -> None:
     n = rid.size
     hit = cached > 0
     kinds = np.where(hit, int(CacheEventKind.HIT), int(CacheEventKind.MISS))
@@ -294,7 +302,7 @@ def _cache_events(writer, rid, lookup_ns, prompt, cached, rng) -> None:
     start = lookup_ns[all_req]
     moved = np.isin(kind, [int(CacheEventKind.OFFLOAD), int(CacheEventKind.LOAD)])
     _write(writer, CACHE_EVENTS, {
-        col.INSTANCE_ID: np.full(all_req.size, ENGINE_ID, dtype=np.int64), col.REQUEST_ID: rid[all_req],
+        col.INSTANCE_ID: np.full(all_req.size, ids[1], dtype=np.int64), col.REQUEST_ID: rid[all_req],
         col.KIND: pa.array(kind.astype(np.int8)), col.TIER: pa.array(tier.astype(np.int8)),
         col.NUM_BLOCKS: nblocks.astype(np.int64), col.NUM_TOKENS: (nblocks * 16).astype(np.int64),
         col.NUM_BYTES: np.where(moved, nblocks * 65536, -1).astype(np.int64),

@@ -7,6 +7,7 @@ error) from a ``file://`` URL, with nothing fetched from the network.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from browser import screenshot, severe_logs
 from conftest import SCREENSHOTS
 
+from tokentrace.palette import label_colour
 from tokentrace.report import make_report, render
 from tokentrace.report.plotly_bundle import BUNDLE_NAME, TRACE_TYPES, bundle_text
 
@@ -63,3 +65,32 @@ def test_html_report_draws_every_chart_offline_with_the_basic_bundle(browser, st
     assert [u for u in state["fetched"] if not u.startswith("file:")] == []
     assert severe_logs(browser) == []
     screenshot(browser, SCREENSHOTS / "report.png")
+
+
+# The stage chart's colours; every table's overflow (wider than its box?) and the page's own width; the text.
+_LOOK_JS = """
+const gd = document.getElementById('chart-stages');
+const colours = {}; for (const t of gd.data) colours[t.name] = t.marker.color;
+const wraps = Array.from(document.querySelectorAll('.table-wrap'));
+return {colours: colours, text: document.body.innerText, tables: document.querySelectorAll('table').length,
+        wrapped: wraps.length, page: document.documentElement.scrollWidth, window: window.innerWidth,
+        headers: Array.from(document.querySelectorAll('th')).map(th => th.textContent)};
+"""
+
+
+def test_html_report_reads_as_a_person_reads_it(browser, stores, tmp_path):
+    """The dashboard's stage colours, tables that stay in the page (each scrolls sideways in its own box),
+    readable headers, instances by name and no 15+ digit number."""
+    report = make_report(stores["store"], "base")
+    page = tmp_path / "report.html"
+    page.write_text(render(report, "html"), encoding="utf-8")
+    _open(browser, page)
+    look = browser.execute_script(_LOOK_JS)
+    assert look["colours"] and all(c == label_colour(stage) for stage, c in look["colours"].items()), look["colours"]
+    assert look["tables"] == look["wrapped"] and look["page"] <= look["window"]  # nothing runs off to the right
+    assert "p99 (ms)" in look["headers"] and "p99_ms" not in look["headers"]
+    assert not re.findall(r"\d{15,}", look["text"])
+    assert "colocated · engine-0" in look["text"]  # the engine, named
+    assert "charted in the HTML report" not in look["text"]
+    assert f"{len(stores['runs']['base'].request_ids)} requests (" in look["text"]  # requests, not request rows
+    assert severe_logs(browser) == []

@@ -100,8 +100,11 @@ def test_export_token_events_and_stable_ids(tmp_path):
     spans = first.get_finished_spans()
     assert all(s.attributes.get(sc.TT_TOKEN_INDEX, -1) == -1 for s in spans if s.name != sc.LLM_REQUEST_SPAN)
     ok = next(s for s in spans if s.attributes.get(sc.GEN_AI_REQUEST_ID) == "req-ok")
-    assert [e.attributes[sc.TT_TOKEN_INDEX] for e in ok.events] == [0, 1]
-    assert ok.events[1].timestamp - ok.events[0].timestamp == 1 * MS
+    tokens = [e for e in ok.events if e.name == sc.TOKEN_EVENT]
+    assert [(e.attributes[sc.TT_TOKEN_INDEX], e.attributes[sc.TT_TOKEN_TIME]) for e in tokens] == [(0, "emit"), (1, "emit")]
+    assert tokens[1].timestamp - tokens[0].timestamp == 1 * MS
+    (row,) = [e for e in ok.events if e.name == sc.TT_REQUEST_EVENT]  # the request's one requests row
+    assert row.attributes[sc.TT_TENANT] == "acme" and row.attributes[sc.TT_FINISH_UNIX_NS] == ok.end_time
     assert [s.context.span_id for s in spans] == [s.context.span_id for s in second.get_finished_spans()]
 
 
@@ -242,7 +245,13 @@ def test_receiver_ingests_protobuf_and_json_and_survives_bad_payloads(tmp_path):
     assert sorted(spans[r2[col.REQUEST_ID]]) == [
         (Stage.SCHEDULE_QUEUE, 25 * MS, 45 * MS, 0), (Stage.PREFILL_COMPUTE, 45 * MS, 85 * MS, 0)]
     tokens = run.table(TOKENS.name).to_pylist()
-    assert sorted((t[col.TOKEN_INDEX], t[col.EMIT_NS] - t0 - to_mono) for t in tokens) == [(0, 50 * MS), (0, 85 * MS)]
+    r2_tokens = [(t[col.TOKEN_INDEX], t[col.EMIT_NS] - t0 - to_mono) for t in tokens
+                 if t[col.REQUEST_ID] == r2[col.REQUEST_ID]]
+    assert r2_tokens == [(0, 85 * MS)]  # no decode time, no output count: no later token is placed
+    r1_tokens = sorted((t[col.TOKEN_INDEX], t[col.EMIT_NS] - t0 - to_mono) for t in tokens
+                       if t[col.REQUEST_ID] == reqs["cmpl-1"][col.REQUEST_ID])
+    assert r1_tokens == [(i, 50 * MS + 200 * MS * i // 19) for i in range(20)]
+    assert run.counters()["otlp_token_times_interpolated"] == 18
 
 
 def _received(run, t0: int) -> tuple[dict, dict, int]:
@@ -262,10 +271,13 @@ def _check_vllm_like_request(r1: dict, spans: dict, arrival: int) -> None:
     assert r1[col.ARRIVAL_NS] == arrival
     assert (r1[col.FIRST_TOKEN_NS] - r1[col.ARRIVAL_NS], r1[col.FINISH_NS] - r1[col.ARRIVAL_NS]) == (50 * MS, 260 * MS)
     assert (r1[col.NUM_PROMPT_TOKENS], r1[col.NUM_OUTPUT_TOKENS], r1[col.STATUS]) == (100, 20, RequestStatus.OK)
+    # the 200 ms of decode is decode.compute of tokens 1..19 (an even split: vLLM reports only the total)
+    decode = [(Stage.DECODE_COMPUTE, 50 * MS + 200 * MS * (i - 1) // 19, 50 * MS + 200 * MS * i // 19, i)
+              for i in range(1, 20)]
     assert sorted(spans[r1[col.REQUEST_ID]]) == [
         (Stage.SCHEDULE_QUEUE, 10 * MS, 20 * MS, 0),
         (Stage.PREFILL_COMPUTE, 20 * MS, 50 * MS, 0),
-        (Stage.DECODE_COMPUTE, 50 * MS, 250 * MS, -1),
+        *decode,
     ]
 
 

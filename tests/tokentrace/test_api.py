@@ -202,3 +202,25 @@ def test_instrument_attaches_to_the_reference_engine_and_detaches_on_close():
     assert sink.num_rows(TOKENS.name) == 3
     assert sink.num_rows(SPANS.name) > 0
     assert handle.counters["dropped_invalid"] == 0
+
+
+def test_instrument_with_a_store_it_cannot_open_warns_once_and_leaves_the_server_untraced(tmp_path, caplog):
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    from reference_server.engine.config import EngineConfig
+    from reference_server.engine.engine import Engine
+    from reference_server.model import SamplingParams
+
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    engine = Engine(EngineConfig(model="tiny", block_size=4, num_device_blocks=32))
+    observers = list(engine._observers)
+    with caplog.at_level("WARNING", logger="tokentrace"):
+        handle = tokentrace.instrument(engine, store=a_file / "store", name="engine-0")
+    assert handle.untraced_reason == f"cannot open the store at {a_file / 'store'}: Not a directory"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tokentrace: {handle.untraced_reason}; the program runs on without tracing"]
+    assert engine._observers == observers and handle.adapter is None  # nothing attached to the server
+    assert tokentrace.api.current() is None  # the manual API stays a no-op
+    assert len(engine.generate(["still served"], SamplingParams(max_tokens=2, ignore_eos=True))) == 1
+    handle.close()

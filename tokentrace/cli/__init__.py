@@ -60,11 +60,16 @@ def _root(
 def user_errors() -> Iterator[None]:
     """One sentence on stderr instead of a traceback: exit 2 for ``StoreError``, 1 for ``OSError``.
 
-    Warnings (e.g. a skipped corrupt file) are shown as one ``warning:`` line each.
+    Warnings (e.g. a skipped corrupt file) are shown as one ``warning:`` line each, each
+    distinct message once however often the store is read.
     """
+    shown: set[str] = set()
 
     def show(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
-        typer.echo(f"warning: {message}", err=True)
+        text = str(message)
+        if text not in shown:
+            shown.add(text)
+            typer.echo(f"warning: {text}", err=True)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -158,17 +163,33 @@ def inspect_command(
         opened = open_run(store, run)
         tables = [opened.table_info(name) for name in opened.tables()]
         span = opened.time_span_ns()
-        counters = opened.counters()
-        instances = opened.instances()
+        manifest = opened.manifest  # read once: its warnings (bad counters) are said once
     console = _console()
-    console.print(_run_header(opened, span))
+    console.print(_run_header(opened, manifest, span))
     console.print(_tables_table(tables))
-    console.print(_counters_table(counters))
-    console.print(_instances_table(instances))
+    console.print(_counters_table(dict(manifest["counters"])))
+    console.print(_instances_table(list(manifest["instances"])))
+    notes = _writer_notes(manifest)
+    if notes:
+        console.print("\n".join(notes))
 
 
-def _run_header(opened: Run, span: tuple[int, int] | None) -> str:
-    manifest = opened.manifest
+def _writer_notes(manifest: dict[str, Any]) -> list[str]:
+    """What the writers' fragments say went wrong: errors, and rows recovered from crash journals."""
+    notes = []
+    for frag in manifest.get("writers", []):
+        writer = frag.get("writer", "?")
+        errors = frag.get("errors") if isinstance(frag.get("errors"), dict) else {}
+        for action, error in sorted(errors.items()):
+            notes.append(f"writer {writer}: {action} failed: {error}")
+        recovered = frag.get("recovered_rows") if isinstance(frag.get("recovered_rows"), dict) else {}
+        if recovered:
+            rows = ", ".join(f"{name} {num:,}" for name, num in sorted(recovered.items()))
+            notes.append(f"writer {writer} ended without closing (killed); recovered from its crash journal: {rows}")
+    return notes
+
+
+def _run_header(opened: Run, manifest: dict[str, Any], span: tuple[int, int] | None) -> str:
     lines = [
         f"run [bold]{opened.run_id}[/bold]  ({opened.path})",
         f"created {manifest.get('created', '-')}, tokentrace {manifest.get('tokentrace_version', '-')}, "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tokentrace.clock.local import take_anchor
+from tokentrace.clock.local import Anchor, take_anchor
 from tokentrace.schema import TABLES, col
 
 __all__ = [
@@ -97,6 +97,17 @@ class RunClocks:
             a = take_anchor()
             shift = a.wall_ns - a.mono_ns
         return t_ref_ns + shift
+
+    def reference_anchor(self) -> Anchor | None:
+        """An anchor of the reference clock (its times against Unix time), None when no instance has one.
+
+        ``reference_anchor().to_mono_ns(unix_ns)`` puts a wall-clock time (a load generator's
+        send time, an exported span's start) on the reference clock: the inverse of
+        :meth:`to_wall_ns`. The pair is exact up to the anchors' own uncertainty.
+        """
+        if self.wall_shift_ns is None:
+            return None
+        return Anchor(mono_ns=0, wall_ns=self.wall_shift_ns)
 
     @property
     def is_shifted(self) -> bool:

@@ -1,7 +1,8 @@
 """``tokentrace demo``: the whole path, end to end, on one machine.
 
-1. checks the Mooncake conversation trace is there and plans a slice of it
-   (scaled to a CPU; the scaling is printed), with three tenants and two SLO classes;
+1. checks that the dashboard's port is free (before minutes of load, not after)
+   and the Mooncake conversation trace is there, and plans a slice of it (scaled
+   to a CPU; the scaling is printed), with three tenants and two SLO classes;
 2. starts the reference server disaggregated (1 prefill and 1 decode worker)
    under ``tokentrace run`` (:mod:`tokentrace.demo.server`) and waits for READY;
 3. replays the slice through the load generator, in this process, recording the
@@ -10,6 +11,7 @@
 5. prints the report's key sections: latency, where the time went (stage shares,
    mean and tail), SLOs, tenants, client-vs-server agreement and the
    unattributed share (:mod:`tokentrace.demo.report`), and where the store is;
+   when the server was saturated it says so, with what to change;
 6. serves the dashboard on 127.0.0.1 until Ctrl-C (unless ``dashboard=False``).
 
 Ctrl-C at any step stops every process the demo started and leaves a readable
@@ -19,7 +21,10 @@ dashboard and the bench machinery are imported inside functions.
 
 from __future__ import annotations
 
+import os
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +32,18 @@ from typing import Any
 from rich.console import Console
 
 from tokentrace.bench.workloads import default_traces_dir
-from tokentrace.demo.load import DEMO_TENANTS, LoadSpec, build_load_plan, run_load, write_tenants_file
-from tokentrace.demo.report import print_report
+from tokentrace.demo.load import (
+    DEMO_TENANTS,
+    LoadSpec,
+    build_load_plan,
+    mean_output_tokens,
+    run_load,
+    write_tenants_file,
+)
+from tokentrace.demo.report import print_report, saturation_lines
 from tokentrace.demo.server import ServerSpec, TracedServer
 
-__all__ = ["DemoOptions", "DemoResult", "run_demo", "serve_dashboard", "TRACE_FILE"]
+__all__ = ["DemoOptions", "DemoResult", "run_demo", "serve_dashboard", "check_port", "TRACE_FILE"]
 
 TRACE_FILE = "mooncake_conversation.jsonl"
 _STEPS = 6
@@ -39,13 +51,14 @@ _STEPS = 6
 
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
-    """Every knob of the demo; the defaults fit a 2-core CPU (load phase under ~3 minutes)."""
+    """Every knob of the demo; the defaults fit a 2-core CPU with headroom (load phase about a minute)."""
 
     store: Path = Path("demo-store")
     num_requests: int = 80  # the first N requests of the trace: ~27 s of its arrivals (~3 req/s)
     model: str = "small"  # reference model preset: 8 layers, hidden 512, 4096 positions
     time_scale: float = 1.0  # x Mooncake arrival times (real time)
-    length_scale: float = 1 / 64  # 512-token trace blocks become 8 tokens: ~110-token prompts, 1-15 output tokens
+    length_scale: float = 1 / 64  # prompts: 512-token trace blocks become 8 tokens, ~200-token prompts
+    output_scale: float = 1 / 16  # outputs: ~22 tokens per request on average (1-58), enough to time each token
     block_size: int = 8  # server KV block size; prompt blocks align to it, so it bounds the shortest block
     trace: Path | None = None  # default: ../shared/data/traces/mooncake_conversation.jsonl
     run: str | None = None  # default: a new time-stamped run id
@@ -87,8 +100,8 @@ def _load_spec(opts: DemoOptions, trace: Path) -> LoadSpec:
     if opts.num_requests < 1:
         raise ValueError(f"--requests must be >= 1, got {opts.num_requests}")
     return LoadSpec(trace=trace, num_requests=opts.num_requests, time_scale=opts.time_scale,
-                    length_scale=opts.length_scale, block_size=opts.block_size, seed=opts.seed,
-                    duration_s=opts.load_duration_s, drain_s=opts.load_drain_s)
+                    length_scale=opts.length_scale, output_scale=opts.output_scale, block_size=opts.block_size,
+                    seed=opts.seed, duration_s=opts.load_duration_s, drain_s=opts.load_drain_s)
 
 
 def _run_id(opts: DemoOptions) -> str:
@@ -97,17 +110,32 @@ def _run_id(opts: DemoOptions) -> str:
     return new_run_id() if opts.run is None else validate_run_id(opts.run)
 
 
+def check_port(port: int, host: str = "127.0.0.1") -> None:
+    """``ValueError`` naming the port when something already listens on it (a dashboard left running, say)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise ValueError(f"the dashboard's port {port} on {host} is in use ({err.strerror or err}): stop what "
+                             f"listens there, or pass --port with a free port, or --no-dashboard") from None
+
+
 def _plan(opts: DemoOptions, run_id: str, console: Console) -> tuple[LoadSpec, Any]:
+    _step(console, 1, "checks and the plan")
+    if opts.dashboard:
+        check_port(opts.port)
+        console.print(f"  dashboard port {opts.port} on 127.0.0.1 is free (checked now, before the load)")
     trace = _trace_path(opts)
     spec = _load_spec(opts, trace)
-    _step(console, 1, f"trace: {trace}")
+    console.print(f"  trace: {trace}")
     plan = build_load_plan(spec, key_prefix=f"demo-{run_id}")
     for line in plan.description:
         console.print(f"  {line}")
     span_s = max((r.offset_s for r in plan.requests), default=0.0)
-    console.print(f"  {len(plan.requests)} requests over {span_s:.0f} s "
-                  f"(--requests {opts.num_requests}, --time-scale {opts.time_scale:g}, "
-                  f"--length-scale {opts.length_scale:g})")
+    console.print(f"  {len(plan.requests)} requests over {span_s:.0f} s, {mean_output_tokens(plan):.1f} output tokens "
+                  f"each on average (--requests {opts.num_requests}, --time-scale {opts.time_scale:g}, "
+                  f"--length-scale {opts.length_scale:g}, --output-scale {opts.output_scale:g})")
     console.print("  scheduling weights and default classes: " + ", ".join(
         f"{t.name} {t.weight:g} ({t.default_slo_class})" for t in DEMO_TENANTS))
     return spec, plan
@@ -118,11 +146,15 @@ def _load(server: TracedServer, spec: LoadSpec, plan: Any, opts: DemoOptions, ru
     _step(console, 3, f"replaying {len(plan.requests)} requests (at most {opts.load_duration_s:.0f} s "
                       f"+ {opts.load_drain_s:.0f} s drain)")
     assert server.url is not None  # start() returned
+    before = os.getloadavg()[0]
     result = run_load(plan, spec, url=server.url, model=opts.model, store=opts.store, run_id=run_id,
                       console=console)
     num_ok = sum(1 for o in result.outcomes if o.ok)
     failed = len(result.outcomes) - num_ok
-    console.print(f"  {len(result.outcomes)} sent, {num_ok} completed, {failed} failed or cut")
+    if not console.is_terminal:  # the progress table's last line ends without a newline when not on a terminal
+        console.print()
+    console.print(f"  {len(result.outcomes)} sent, {num_ok} completed, {failed} failed or cut; machine load "
+                  f"average {before:.1f} before the load, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
     return len(result.outcomes), num_ok
 
 
@@ -134,9 +166,12 @@ def _serve_and_load(opts: DemoOptions, spec: LoadSpec, plan: Any, run_id: str, w
     _step(console, 2, f"starting the reference server (disaggregated: 1 prefill + 1 decode worker, model "
                       f"{opts.model!r}) under `tokentrace run --store {opts.store} --run {run_id}`")
     try:
-        with console.status("  waiting for the server to print READY ..."):
-            url = server.start(timeout_s=opts.ready_timeout_s)
-        console.print(f"  ready at {url} (process group {server.pid})")
+        started = time.monotonic()
+        with console.status("  starting: the gateway and two workers load the model ...") as status:
+            url = server.start(timeout_s=opts.ready_timeout_s, on_wait=lambda: status.update(
+                f"  starting: the gateway and two workers load the model ({time.monotonic() - started:.0f} s; "
+                f"at most {opts.ready_timeout_s:.0f} s) ..."))
+        console.print(f"  ready at {url} after {time.monotonic() - started:.0f} s (process group {server.pid})")
         sent, ok = _load(server, spec, plan, opts, run_id, console)
     finally:
         code = _stop(server, opts, console)
@@ -152,7 +187,7 @@ def _stop(server: TracedServer, opts: DemoOptions, console: Console) -> int | No
     except KeyboardInterrupt:
         console.print("  [yellow]killing the server[/] (its last unflushed rows are lost)")
         code = server.kill()
-    console.print(f"  server exited with status {code}")
+    console.print(f"  server exited with status {code}" + (" (clean: every process flushed)" if code == 0 else ""))
     return code
 
 
@@ -179,6 +214,8 @@ def run_demo(opts: DemoOptions, *, console: Console | None = None) -> DemoResult
     _step(console, 5, "report")
     report = make_report(opts.store, run_id)
     print_report(report, console)
+    for line in saturation_lines(report, opts.time_scale):
+        console.print(line)
     run_path = opts.store.resolve() / run_id
     console.print(f"\nstore: [bold]{run_path}[/]\n  full report:  tokentrace report {opts.store} --run {run_id}"
                   f"\n  inspect:      tokentrace inspect {opts.store} --run {run_id}")

@@ -8,6 +8,7 @@ sends come from one table, :data:`DEMO_TENANTS`, so keys always match.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from rich.console import Console
 
 __all__ = ["DEMO_TENANTS", "DEMO_SLO_MIX", "DemoTenant", "LoadSpec", "write_tenants_file", "build_load_plan",
-           "run_load"]
+           "run_load", "mean_output_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +47,9 @@ class LoadSpec:
     trace: Path
     num_requests: int
     time_scale: float  # x trace arrival times (< 1: faster)
-    length_scale: float  # x prompt and output lengths
+    length_scale: float  # x prompt lengths (and output lengths unless output_scale is given)
     block_size: int = 16  # the server's KV block size: prompt blocks are aligned to it
+    output_scale: float | None = None  # x output lengths; None: length_scale
     seed: int = 0
     duration_s: float = 240.0  # nothing is sent after this; in-flight requests then get drain_s
     drain_s: float = 60.0
@@ -72,10 +74,44 @@ def build_load_plan(spec: LoadSpec, *, key_prefix: str) -> Any:
     from tokentrace.bench.plan import Tenant, build_plan
 
     tenants = [Tenant(t.name, t.api_key, t.share) for t in DEMO_TENANTS]
-    return build_plan(workload=str(spec.trace), arrivals=Arrivals("trace"), max_requests=spec.num_requests,
+    plan = build_plan(workload=str(spec.trace), arrivals=Arrivals("trace"), max_requests=spec.num_requests,
                       time_scale=spec.time_scale, length_scale=spec.length_scale,
                       server_block_size=spec.block_size, tenants=tenants, slo_mix=dict(DEMO_SLO_MIX),
                       key_prefix=key_prefix, seed=spec.seed)
+    if spec.output_scale is None or spec.output_scale == spec.length_scale:
+        return plan
+    return _with_output_lengths(plan, spec)
+
+
+def _with_output_lengths(plan: Any, spec: LoadSpec) -> Any:
+    """``plan`` with each request's output length taken from the trace at ``spec.output_scale``.
+
+    Prompts are shortened much more than outputs (a CPU prefills a 13k-token prompt slowly, but a
+    request of one or two output tokens has no per-token timing to show): the trace's own output
+    lengths, scaled, are the requests' ``max_tokens`` (the load generator asks the server to ignore
+    end-of-sequence, so each request produces exactly that many tokens).
+    """
+    from tokentrace.bench.workloads import load_trace
+
+    if not (spec.output_scale is not None and spec.output_scale > 0):
+        raise ValueError(f"--output-scale must be a positive number, got {spec.output_scale}")
+    trace = load_trace(spec.trace, time_scale=spec.time_scale, length_scale=spec.output_scale,
+                       max_requests=spec.num_requests)
+    lengths = [r.num_output_tokens for r in trace.requests]
+    if len(lengths) != len(plan.requests):  # the plan keeps the trace's requests in order: one length each
+        raise ValueError(f"the trace has {len(lengths)} requests for a plan of {len(plan.requests)}")
+    requests = tuple(dataclasses.replace(r, text=dataclasses.replace(r.text, max_tokens=n))
+                     for r, n in zip(plan.requests, lengths))
+    mean = sum(lengths) / len(lengths) if lengths else 0.0
+    line = (f"output lengths x{spec.output_scale:g} of the trace's instead: {mean:.1f} tokens per request on "
+            f"average ({min(lengths, default=0)}-{max(lengths, default=0)})")
+    config = {**plan.config, "output_scale": spec.output_scale}
+    return dataclasses.replace(plan, requests=requests, description=(*plan.description, line), config=config)
+
+
+def mean_output_tokens(plan: Any) -> float:
+    """The planned output tokens per request, on average (what the demo promises per-token timing on)."""
+    return sum(r.text.max_tokens for r in plan.requests) / len(plan.requests) if plan.requests else 0.0
 
 
 def run_load(plan: Any, spec: LoadSpec, *, url: str, model: str, store: Path, run_id: str,

@@ -18,9 +18,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tokentrace.schema import REQUESTS, SPANS
+from tokentrace.report.frames import format_cell
+from tokentrace.report.render_names import column_label, for_people, instance_labels, is_percent_column
+from tokentrace.schema import REQUESTS, SPANS, TOKENS
 
-__all__ = ["TERMINAL_SECTIONS", "print_report", "section_table", "verdict_lines", "headline_lines"]
+__all__ = ["TERMINAL_SECTIONS", "print_report", "section_table", "verdict_lines", "headline_lines",
+           "saturation_lines", "run_line"]
 
 TERMINAL_SECTIONS: dict[str, int] = {"latency": 1, "stage_breakdown": 1, "slo": 1, "tenants": 2, "agreement": 1}
 """Report sections shown in the terminal, in order, and how many of each one's tables (the
@@ -30,24 +33,25 @@ _MAX_ROWS = 20
 
 
 def _cell(column: str, value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, (bool,)):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if "share" in column or "attainment" in column or column.endswith("_rate"):
-            return f"{100 * value:.1f}%"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    return str(value)
+    """One value as the reports write it (:func:`tokentrace.report.frames.format_cell`): thousands separators,
+    shares as percentages; a whole number of tokens or requests without decimals."""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 100 and not is_percent_column(column):
+        return f"{int(value):,}"
+    return format_cell(value, column)
+
+
+_HIDDEN = ("num_ttft_measured", "num_tpot_measured")  # in `tokentrace report`; too wide for a terminal's table
 
 
 def _header(column: str) -> str:
-    """A column name as a header that wraps at word boundaries: ``num_requests`` -> ``# requests``."""
-    return column.replace("num_", "# ").replace("attainment", "attain").replace("_", " ")
+    """A column name as a header a person reads, with its unit: ``ttft_target_ms`` -> ``TTFT target (ms)``."""
+    return column_label(column)
 
 
-def section_table(frame: pd.DataFrame, *, title: str = "") -> Table:
-    """A rich table of a report frame: shares as percentages, times as given (ms columns say so)."""
+def section_table(frame: pd.DataFrame, *, title: str = "", names: dict[int, str] | None = None) -> Table:
+    """A rich table of a report frame: shares as percentages, times as given (ms columns say so), instances by
+    name (``names``: instance id -> name; an id is never printed)."""
+    frame = for_people(frame, names or {}).drop(columns=[c for c in _HIDDEN if c in frame.columns])
     table = Table(title=title or None, title_justify="left", show_lines=False)
     for name in frame.columns:
         text = not pd.api.types.is_numeric_dtype(frame[name])
@@ -103,12 +107,37 @@ def verdict_lines(report: Any) -> list[str]:
     return lines
 
 
+def run_line(report: Any) -> str:
+    """The run in one line: requests (not rows), tokens and spans, the processes by name (rich markup)."""
+    run = report.run
+    names = sorted(instance_labels(list(run.instances)).values())
+    num = report.load.get("num_requests") if getattr(report, "load", None) else None
+    requests = f"{int(num):,} requests" if isinstance(num, (int, float)) and num == num else "its requests"
+    rows = run.rows
+    return (f"[bold]run[/] {escape(run.run_id)} at {escape(run.path)}: {requests} traced by {len(names)} processes "
+            f"({escape(', '.join(names))}); {rows.get(TOKENS.name, 0):,} token rows and {rows.get(SPANS.name, 0):,} "
+            f"spans ({rows.get(REQUESTS.name, 0):,} request rows: each process writes its own row of a request)")
+
+
+def saturation_lines(report: Any, time_scale: float = 1.0) -> list[str]:
+    """When the server was saturated, what that means for the figures and what to change (rich markup); [] when
+    it was not (or not judged)."""
+    if report.load.get("saturated") is not True:
+        return []
+    pool = report.load.get("pool")
+    slower = max(2.0, round(2 * time_scale, 1))
+    return [f"[bold yellow]The server was saturated[/]{f' (the {escape(str(pool))} pool)' if pool else ''}: "
+            f"requests arrived faster than this machine served them, so queueing grew through the run and the "
+            f"figures above describe an overloaded server. Other processes on the machine (its load average is "
+            f"printed after the load) take CPU from it. For a run with headroom: [bold]--time-scale {slower:g}[/] "
+            f"(arrivals {slower / time_scale:g}x further apart), fewer requests (--requests), or shorter outputs "
+            f"(--output-scale)."]
+
+
 def print_report(report: Any, console: Console) -> None:
     """Print the run header, :data:`TERMINAL_SECTIONS` and the verdicts (caller's thread)."""
-    roles = sorted({str(i.get("role")) for i in report.run.instances})
-    console.print(f"[bold]run[/] {report.run.run_id} at {report.run.path}: "
-                  f"{len(report.run.instances)} traced processes ({', '.join(roles)}), "
-                  f"{report.run.rows.get(REQUESTS.name, 0)} request rows, {report.run.rows.get(SPANS.name, 0)} spans")
+    console.print(run_line(report))
+    names = instance_labels(list(report.run.instances))
     for line in headline_lines(report):
         console.print(line)
     for key, num_tables in TERMINAL_SECTIONS.items():
@@ -120,7 +149,7 @@ def print_report(report: Any, console: Console) -> None:
         if section.note:
             console.print(section.note)
         for caption, frame in section.tables[:num_tables]:
-            console.print(section_table(frame, title=caption))
+            console.print(section_table(frame, title=caption, names=names))
     console.rule("[bold]Checks")
     for line in verdict_lines(report):
         console.print(line)

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 __all__ = ["ServerSpec", "ServerStartError", "TracedServer", "server_command"]
 
@@ -100,8 +100,10 @@ class TracedServer:
         """The process-group leader's pid (``tokentrace run``), None before ``start``."""
         return None if self._proc is None else self._proc.pid
 
-    def start(self, *, timeout_s: float = 180.0) -> str:
-        """Start the deployment and wait for READY; returns the gateway's base URL."""
+    def start(self, *, timeout_s: float = 180.0, on_wait: Callable[[], None] | None = None) -> str:
+        """Start the deployment and wait for READY; returns the gateway's base URL.
+
+        ``on_wait`` is called about twice a second while waiting (to show progress)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w", encoding="utf-8")
         self._proc = subprocess.Popen(
@@ -109,7 +111,7 @@ class TracedServer:
             text=True, bufsize=1, start_new_session=True, env=_server_environment())
         threading.Thread(target=self._read_stdout, args=(self._proc.stdout,), name="demo-server-stdout",
                          daemon=True).start()
-        self.url = self._wait_ready(timeout_s)
+        self.url = self._wait_ready(timeout_s, on_wait)
         return self.url
 
     def _read_stdout(self, stream: IO[str] | None) -> None:
@@ -119,9 +121,11 @@ class TracedServer:
             self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 
-    def _wait_ready(self, timeout_s: float) -> str:
+    def _wait_ready(self, timeout_s: float, on_wait: Callable[[], None] | None = None) -> str:
         deadline = time.monotonic() + timeout_s
         while True:
+            if on_wait is not None:
+                on_wait()
             left = deadline - time.monotonic()
             if left <= 0:
                 self.stop(grace_s=5.0)

@@ -10,5 +10,5 @@ from tokentrace.export.perfetto import perfetto_trace, trace_events, write_perfe
 
 __all__ = ["EXPORT_FORMATS", "perfetto_trace", "trace_events", "write_perfetto"]
 
-EXPORT_FORMATS: tuple[str, ...] = ("perfetto",)
+EXPORT_FORMATS: tuple[str, ...] = ("perfetto", "otlp")
 """Formats ``tokentrace export --format`` accepts."""

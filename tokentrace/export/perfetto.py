@@ -8,7 +8,10 @@ The "JSON Object Format" of the Trace Event Format: ``{"traceEvents": [...],
 * one *thread* per request within each instance it touched (``tid`` 1, 2, ... in
   order of the request's first event there; ``thread_name`` = the request key);
 * each stage interval is a complete event (``ph: "X"``, ``name`` = stage label,
-  ``cat`` = the stage's area) on its request's thread;
+  ``cat`` = the stage's area) on its request's thread, in the stage's colour of the
+  one palette (:mod:`tokentrace.palette`): ``cname`` is the nearest of the colour
+  names chrome://tracing takes, ``args.colour`` the palette's own ``#RRGGBB``
+  (ui.perfetto.dev colours slices by a hash of their name and ignores ``cname``);
 * each output token is a thread-scoped instant (``ph: "i"``, ``s: "t"``) at the
   time it was sent (else emitted, else received by the client);
 * each engine step gives counters (``ph: "C"``) on its instance: queue lengths
@@ -33,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from tokentrace.clock import RunClocks, latest_instances, time_columns
+from tokentrace.palette import STAGE_COLOURS, TRACE_COLOUR_NAMES
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, STEPS, TOKENS, Role, Stage, Tier, col
 
 __all__ = ["trace_events", "perfetto_trace", "write_perfetto"]
@@ -42,6 +46,8 @@ _BLOCK_COLUMNS = ((Tier.DEVICE, col.NUM_BLOCKS_USED_DEVICE), (Tier.HOST, col.NUM
                   (Tier.DISK, col.NUM_BLOCKS_USED_DISK))
 _QUEUE_COLUMNS = ((col.NUM_WAITING, "waiting"), (col.NUM_RUNNING, "running"), (col.NUM_PREEMPTED, "preempted"))
 _STAGE_LABELS = {int(s): s.label for s in Stage}
+_STAGE_CNAMES = {int(s): TRACE_COLOUR_NAMES[s] for s in Stage}
+_STAGE_COLOURS = {int(s): STAGE_COLOURS[s] for s in Stage}
 
 
 Columns = dict[str, list[Any]]
@@ -111,9 +117,12 @@ def _span_events(spans: Columns, t0: int, pids: dict, tids: dict, keys: dict) ->
         args.update((key, v) for (_, key), v in zip(extras, extra) if v is not None)
         if tier is not None:
             args["tier"] = Tier(tier).label
-        events.append({"name": label, "cat": label.split(".")[0], "ph": "X", "ts": (start - t0) / _NS_PER_US,
-                       "dur": (end - start) / _NS_PER_US, "pid": pids[iid][0], "tid": tids[(iid, rid)],
-                       "args": args})
+        event = {"name": label, "cat": label.split(".")[0], "ph": "X", "ts": (start - t0) / _NS_PER_US,
+                 "dur": (end - start) / _NS_PER_US, "pid": pids[iid][0], "tid": tids[(iid, rid)], "args": args}
+        if stage in _STAGE_CNAMES:
+            event["cname"] = _STAGE_CNAMES[stage]
+            args["colour"] = _STAGE_COLOURS[stage]
+        events.append(event)
     return events, skipped
 
 

@@ -4,8 +4,11 @@
 * :class:`BufferedRecorder` (``buffered.py``): the implementation, appending
   integers to preallocated column buffers (``buffers.py``, strings interned by
   ``interning.py``, open requests kept by ``request_rows.py``) that a background
-  thread (``flusher.py``) hands to a :class:`Sink` (``sink.py``); ``lifecycle.py``
-  flushes at exit and after ``fork``.
+  thread (``flusher.py``) hands to a :class:`Sink` (``sink.py``; a
+  :class:`JournalSink` also keeps a crash journal of the rows not yet written);
+  ``lifecycle.py`` flushes at exit and after ``fork``;
+* ``untraced.py``: the recorder that records nothing, what ``instrument()`` falls
+  back to when its store cannot be opened.
 
 Part of the core: imports only ``tokentrace.schema`` and ``tokentrace.clock``.
 """
@@ -14,6 +17,6 @@ from __future__ import annotations
 
 from tokentrace.recorder.buffered import BufferedRecorder
 from tokentrace.recorder.protocol import Recorder
-from tokentrace.recorder.sink import CounterSink, InMemorySink, Sink
+from tokentrace.recorder.sink import CounterSink, InMemorySink, JournalSink, Sink
 
-__all__ = ["Recorder", "BufferedRecorder", "Sink", "CounterSink", "InMemorySink"]
+__all__ = ["Recorder", "BufferedRecorder", "Sink", "CounterSink", "JournalSink", "InMemorySink"]

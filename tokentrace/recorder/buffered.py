@@ -78,6 +78,10 @@ class BufferedRecorder:
     ``flush_interval_s``: longest time a row waits in a buffer.
     ``batch_rows``: rows per ``sink.write`` at most; a table is also flushed as
     soon as it holds that many rows.
+    ``journal_interval_s``: with a sink that keeps a crash journal (a
+    ``JournalSink``: the store writer), longest time a row waits before it is
+    journaled, i.e. the most a SIGKILLed process loses; ``None`` turns the
+    journal off. Parts are still cut every ``flush_interval_s``.
 
     Lifecycle: a daemon thread flushes in the background; :meth:`close` (also
     run at interpreter exit) flushes the rest and closes the sink. After
@@ -95,6 +99,7 @@ class BufferedRecorder:
         memory_cap_bytes: int = 64 << 20,
         flush_interval_s: float = 1.0,
         batch_rows: int = 65536,
+        journal_interval_s: float | None = 0.25,
     ) -> None:
         if not hasattr(sink, "write") or not hasattr(sink, "close"):
             raise TypeError(f"sink must have write(table, batch) and close(); got {type(sink).__name__}")
@@ -106,11 +111,14 @@ class BufferedRecorder:
             raise ValueError(f"flush_interval_s must be positive, got {flush_interval_s}")
         if batch_rows < 1:
             raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+        if journal_interval_s is not None and not journal_interval_s > 0:
+            raise ValueError(f"journal_interval_s must be positive or None, got {journal_interval_s}")
         self._sink = sink
         self._instance_id = instance_id
         self._cap = int(memory_cap_bytes)
         self._flush_interval_s = float(flush_interval_s)
         self._batch_rows = int(batch_rows)
+        self._journal_interval_s = None if journal_interval_s is None else float(journal_interval_s)
         self._closed = False
         self._close_lock = threading.Lock()
         self._instance_info: dict[str, Any] | None = None  # last instance() call, re-sent after fork
@@ -155,6 +163,16 @@ class BufferedRecorder:
             },
             flush_interval_s=self._flush_interval_s,
             batch_rows=self._batch_rows,
+            journal_interval_s=self._journal_interval_s,
+            peekers={
+                col.REQUEST_KEY: self._side.peek,
+                col.TRACE_ID: self._side.peek,
+                col.TENANT: labels,
+                col.SLO_CLASS: labels,
+                col.ERROR: labels,
+                col.NAME: labels,
+                col.HOST: labels,
+            },
             on_full_flush=self._report_counters,
         )
         self._flusher.start()
@@ -373,7 +391,8 @@ class BufferedRecorder:
         ``dropped_<table>`` and ``dropped_open``, begins refused over the open
         interval/request cap); ``dropped_invalid``: bad arguments, ends without
         begins, out-of-range codes; ``sink_errors``: rows a failing
-        ``sink.write`` lost; ``buffered``: rows waiting for the next flush.
+        ``sink.write`` lost; ``buffered``: rows waiting for the next flush
+        (in the buffers, or journaled by the sink and not yet in a part).
         For every table, rows attempted = written + ``dropped_<table>`` + its
         invalid and sink-error rows + buffered.
         """
@@ -388,7 +407,7 @@ class BufferedRecorder:
         out["dropped"] = total + out["dropped_open"]
         out["dropped_invalid"] = count_value(self._invalid) + f.invalid
         out["sink_errors"] = f.sink_errors
-        out["buffered"] = sum(b.num_rows() for b in self._bufs.values())
+        out["buffered"] = sum(b.num_rows() for b in self._bufs.values()) + f.num_journaled
         return out
 
     def flush(self) -> None:

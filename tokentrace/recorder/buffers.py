@@ -173,6 +173,8 @@ for _layout in LAYOUTS.values():
 MIN_ROWS = 16
 """Every table can hold at least this many rows, however small the cap."""
 
+_SCHEMAS = {name: layout.table.schema for name, layout in LAYOUTS.items()}  # Table.schema builds one per call
+
 
 def count_value(counter: itertools.count) -> int:
     """Current value of an ``itertools.count`` without advancing it.
@@ -343,4 +345,4 @@ def to_record_batch(
             arrays.append(string_array(strings[c.name]))
         else:
             arrays.append(int_array(cols[position[c.name]], c.type, nullable=c.nullable))
-    return pa.RecordBatch.from_arrays(arrays, schema=layout.table.schema), num_invalid
+    return pa.RecordBatch.from_arrays(arrays, schema=_SCHEMAS[layout.table.name]), num_invalid

@@ -87,5 +87,10 @@ class SideStrings:
         pop = self._strings.pop
         return [pop(i, "") for i in ids.tolist()]
 
+    def peek(self, ids: np.ndarray) -> list[str]:
+        """Strings for an array of ids, keeping them (the flusher's crash journal)."""
+        get = self._strings.get
+        return [get(i, "") for i in ids.tolist()]
+
     def __len__(self) -> int:
         return len(self._strings)

@@ -9,7 +9,8 @@ can assert on recorded events without touching disk.
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Protocol, runtime_checkable
+from array import array
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import pyarrow as pa
 
@@ -41,6 +42,24 @@ class CounterSink(Sink, Protocol):
     """
 
     def update_counters(self, counters: Mapping[str, int]) -> None: ...
+
+
+@runtime_checkable
+class JournalSink(Sink, Protocol):
+    """A sink that also keeps a crash journal of rows not yet written (the store writer).
+
+    The flush thread hands it every buffered row within ``journal_interval_s``:
+    ``journal(table, fields, rows, strings, instance_id)`` with ``rows`` the buffer's raw
+    row-major int64 rows (``fields`` names their columns in order; ``instance_id`` fills
+    the instance column) and ``strings`` the text each string column's ids stand for. It
+    must be cheap (it runs several times a second) and survive the process being killed.
+    Later, ``write(table, batch)`` gets those rows as one Arrow batch (a part) and drops
+    their journal. ``journal`` may raise (the rows then only lose their crash protection).
+    Flush thread only, like ``write``.
+    """
+
+    def journal(self, table: Table, fields: Sequence[str], rows: array, strings: Mapping[str, Mapping[int, str]],
+                instance_id: int) -> None: ...
 
 
 class InMemorySink:

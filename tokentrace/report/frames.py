@@ -27,7 +27,8 @@ def _is_percent(column: str) -> bool:
 
 
 def format_cell(value: Any, column: str = "") -> str:
-    """One value as short text: ``-`` for missing, ``31.2%`` for shares, ``1,234`` for counts."""
+    """One value as short text: ``-`` for missing, ``31.2%`` for shares, ``1,234`` for counts; never in
+    scientific notation."""
     if value is None or value is pd.NA or value is pd.NaT:
         return "-"
     if isinstance(value, (bool, np.bool_)):
@@ -46,7 +47,10 @@ def format_cell(value: Any, column: str = "") -> str:
             return f"{v:,.1f}"
         if abs(v) >= 1:
             return f"{v:.2f}"
-        return f"{v:.3g}"
+        if v == 0:
+            return "0"
+        # three significant digits, never scientific notation (-3.97e-05 reads as -0.000040)
+        return f"{v:.{min(6, max(3, 2 - math.floor(math.log10(abs(v)))))}f}"
     return str(value)
 
 

@@ -15,18 +15,22 @@ from typing import Any
 
 import pandas as pd
 
+from tokentrace.palette import label_colour
 from tokentrace.report.budget import format_value
 from tokentrace.report.frames import frame_cells
 from tokentrace.report.model import Report
 from tokentrace.report.plotly_bundle import bundle_text
-from tokentrace.schema import UNATTRIBUTED_LABEL, col
+from tokentrace.report.render_names import column_label, for_people, instance_labels
+from tokentrace.schema import REQUESTS, SPANS, TOKENS, col
 
 __all__ = ["render_html", "html_table"]
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
+.table-wrap { max-width: 100%; overflow-x: auto; margin: 0.5em 0 1.5em; }
+table { border-collapse: collapse; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th { white-space: normal; vertical-align: bottom; } td { white-space: nowrap; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f3f3f3; }
 .pass { color: #1a7f37; } .fail { color: #cf222e; font-weight: bold; }
@@ -37,16 +41,20 @@ _BARS = (("TTFT mean", "ttft_share"), ("TTFT tail 1%", "ttft_tail_share"),
 _PERCENTILES = ("p50_ms", "p90_ms", "p99_ms", "p99.9_ms")
 
 
-def html_table(df: pd.DataFrame) -> str:
-    """``df`` as an HTML table, every cell escaped."""
-    headers, rows = frame_cells(df)
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+def html_table(df: pd.DataFrame, names: dict[int, str] | None = None) -> str:
+    """``df`` as an HTML table in a box that scrolls sideways when it is wider than the page: readable headers
+    with units, instances by name (``names``: instance id -> name), every cell escaped."""
+    headers, rows = frame_cells(for_people(df, names or {}))
+    head = "".join(f"<th title='{html.escape(h)}'>{html.escape(column_label(h))}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class='table-wrap'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def _figure_html(fig: Any, div_id: str) -> str:
-    fig.update_layout(height=380, margin={"l": 60, "r": 20, "t": 50, "b": 50}, template="plotly_white")
+    fig.update_layout(height=380, margin={"l": 60, "r": 20, "t": 50, "b": 50}, template="plotly_white",
+                      separators=".,")
+    if fig.layout.yaxis.type != "log":
+        fig.update_yaxes(tickformat=",~r")  # 30,600, never 3.06e+4
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
 
 
@@ -66,10 +74,10 @@ def _breakdown_chart(go: Any, df: pd.DataFrame) -> str:
     if len(df) == 0:
         return "<p class='note'>No stage spans to chart.</p>"
     fig = go.Figure()
-    for _, r in df.iterrows():
-        color = "#999999" if r["stage"] == UNATTRIBUTED_LABEL else None
+    for _, r in df.iterrows():  # pipeline order, the one palette (tokentrace.palette)
         fig.add_bar(name=str(r["stage"]), x=[b for b, _ in _BARS], y=[float(r[c]) * 100 for _, c in _BARS],
-                    marker_color=color)
+                    marker_color=label_colour(str(r["stage"])),
+                    hovertemplate=f"{r['stage']}: %{{y:.1f}}% of %{{x}}<extra></extra>")
     fig.update_layout(title="Where the time went: share of each stage (%)", barmode="stack",
                       yaxis_title="% of latency", yaxis_range=[0, 100])
     return _figure_html(fig, "chart-stages")
@@ -91,7 +99,7 @@ def _timeline_charts(go: Any, windows: pd.DataFrame, queues: pd.DataFrame, names
         fig = go.Figure()
         for instance, part in queues.groupby(col.INSTANCE_ID):
             part = part.sort_values("t_s")
-            name = names.get(int(instance), str(instance))
+            name = names.get(int(instance), "unknown instance")
             fig.add_scatter(x=part["t_s"], y=part[col.NUM_WAITING], mode="lines+markers", name=f"waiting {name}")
             fig.add_scatter(x=part["t_s"], y=part[col.NUM_RUNNING], mode="lines+markers", name=f"running {name}",
                             line_dash="dot")
@@ -116,12 +124,13 @@ def _diff_chart(go: Any, diff: pd.DataFrame | None) -> str:
 
 
 def _instance_names(report: Report) -> dict[int, str]:
-    """Instance id -> name, from the run manifest's instances."""
-    out = {}
-    for inst in report.run.instances:
-        if isinstance(inst.get("instance"), int):
-            out[inst["instance"]] = str(inst.get("name") or inst["instance"])
-    return out
+    """Instance id -> the name a person reads, from the run manifest's instances (never the id)."""
+    return instance_labels(list(report.run.instances))
+
+
+_HTML_NOTES = {"queues": "Waiting and running requests over time, per engine instance: the chart "
+                         "\u201cQueue lengths over time\u201d above."}
+"""Section notes that point at the HTML report, as this report says them."""
 
 
 def _headline_html(report: Report) -> str:
@@ -147,18 +156,31 @@ def _budgets_html(report: Report) -> str:
 
 
 def _sections_html(report: Report) -> str:
+    names = _instance_names(report)
     parts = []
     for s in report.sections:
         if s.key == "diff" and report.baseline is None:
             continue
         parts.append(f"<h2 id='{html.escape(s.key)}'>{html.escape(s.title)}</h2>")
-        if s.note:
-            parts.append(f"<p class='note'>{html.escape(s.note)}</p>")
+        note = _HTML_NOTES.get(s.key, s.note) if "HTML report" in s.note else s.note
+        if note:
+            parts.append(f"<p class='note'>{html.escape(note)}</p>")
         for caption, df in s.tables:
             if caption:
                 parts.append(f"<p class='caption'>{html.escape(caption)}</p>")
-            parts.append(html_table(df))
+            parts.append(html_table(df, names))
     return "".join(parts)
+
+
+def run_line(report: Report) -> str:
+    """How much the run holds, in requests (not rows: each process writes its own row of a request)."""
+    run = report.run
+    rows = run.rows
+    num = report.load.get("num_requests")
+    requests = f"{int(num):,} requests" if isinstance(num, (int, float)) and num == num else "requests"
+    names = sorted(_instance_names(report).values())
+    return (f"{requests} ({rows.get(REQUESTS.name, 0):,} request rows, {rows.get(TOKENS.name, 0):,} token rows and "
+            f"{rows.get(SPANS.name, 0):,} span rows from {len(names)} traced process(es): {', '.join(names) or '-'})")
 
 
 def render_html(report: Report) -> str:
@@ -176,8 +198,8 @@ def render_html(report: Report) -> str:
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"
         f"<script type='text/javascript'>{bundle_text()}</script></head><body>"
-        f"<h1>{html.escape(title)}</h1>{_headline_html(report)}<p class='note'>store {html.escape(run.path)}; "
-        f"created {html.escape(run.created or '-')}{baseline}</p>"
+        f"<h1>{html.escape(title)}</h1>{_headline_html(report)}<p class='note'>{html.escape(run_line(report))}; "
+        f"store {html.escape(run.path)}; created {html.escape(run.created or '-')}{baseline}</p>"
         f"<h2>Budgets</h2>{_budgets_html(report)}"
         + (f"<h2>Significant regressions</h2><ul>{regressions}</ul>" if regressions else "")
         + f"<h2>Charts</h2>{charts}{_sections_html(report)}</body></html>\n"

@@ -3,13 +3,13 @@
 Top level::
 
     format        "tokentrace-report"
-    version       1 (bumped on an incompatible change)
+    version       2 (bumped on an incompatible change; 2: ids are strings)
     passed        true when every budget holds
     headline      ["<load verdict>", "<instance advice>", "<attribution>"]: the report's first lines
     load          {offered_rps, served_rps, saturated, pool, stage, arrival_window_s, num_requests,
                    num_completed, load_ratio, verdict}: offered load over the arrival window against
                    served load; saturated is true, false or null (not judged)
-    run           {run_id, path, created, tokentrace_version, rows, instances, counters}
+    run           {run_id, path, created, tokentrace_version, rows, instances, instance_names, counters}
     baseline      the same for the baseline run, or null
     metrics       {name: number | null}: the budget namespace (ms, fractions, req/s, counts)
     budgets       [{budget, metric, op, limit, kind, actual, baseline, passed, message}]
@@ -18,7 +18,11 @@ Top level::
     sections      {key: {title, note, tables: [{caption, columns, rows}]}}
 
 Numbers that are not finite (NaN, inf) are written as null; table rows are
-objects keyed by column name.
+objects keyed by column name. The tables are the other formats' tables: an
+instance is named (column ``instance``, ``prefill-0``), a request by its key.
+Ids that remain (the run's ``instances``, their writers) are strings: a 63-bit
+integer does not survive a JavaScript JSON parser (its numbers are doubles).
+``instance_names`` maps each instance id to its name.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import numpy as np
 import pandas as pd
 
 from tokentrace.report.model import Report, RunHeader
+from tokentrace.report.render_names import ID_COLUMNS, for_people, id_text, instance_labels
 
 __all__ = ["FORMAT", "VERSION", "report_dict", "render_json"]
 
 FORMAT = "tokentrace-report"
-VERSION = 1
+VERSION = 2
+_ID_KEYS = frozenset({"instance", "writer", *ID_COLUMNS})  # manifest keys and table columns holding ids
 
 
 def _plain(value: Any) -> Any:
@@ -51,17 +57,25 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, str) else str(value)
 
 
+def _value(key: str, value: Any) -> Any:
+    """``_plain(value)``, an id as a string."""
+    if key in _ID_KEYS and isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return id_text(value)
+    return _plain(value)
+
+
 def _rows(df: pd.DataFrame) -> list[dict[str, Any]]:
     columns = [str(c) for c in df.columns]
-    return [{c: _plain(v) for c, v in zip(columns, row)} for row in df.itertuples(index=False, name=None)]
+    return [{c: _value(c, v) for c, v in zip(columns, row)} for row in df.itertuples(index=False, name=None)]
 
 
 def _header(h: RunHeader | None) -> dict[str, Any] | None:
     if h is None:
         return None
+    names = instance_labels(list(h.instances))
     return {"run_id": h.run_id, "path": h.path, "created": h.created, "tokentrace_version": h.tokentrace_version,
-            "rows": dict(h.rows), "instances": [{k: _plain(v) for k, v in i.items()} for i in h.instances],
-            "counters": dict(h.counters)}
+            "rows": dict(h.rows), "instances": [{k: _value(k, v) for k, v in i.items()} for i in h.instances],
+            "instance_names": {id_text(k): v for k, v in names.items()}, "counters": dict(h.counters)}
 
 
 def report_dict(report: Report) -> dict[str, Any]:
@@ -69,10 +83,12 @@ def report_dict(report: Report) -> dict[str, Any]:
     budgets = [{"budget": r.budget.text, "metric": r.budget.metric, "op": r.budget.op,
                 "limit": _plain(r.budget.limit), "kind": r.budget.kind.value, "actual": _plain(r.actual),
                 "baseline": _plain(r.baseline), "passed": r.passed, "message": r.message} for r in report.budgets]
+    names = instance_labels(list(report.run.instances))
+    shown = [(s, [(c, for_people(df, names)) for c, df in s.tables]) for s in report.sections]
     sections = {s.key: {"title": s.title, "note": s.note,
                         "tables": [{"caption": c, "columns": [str(x) for x in df.columns], "rows": _rows(df)}
-                                   for c, df in s.tables]}
-                for s in report.sections}
+                                   for c, df in tables]}
+                for s, tables in shown}
     return {
         "format": FORMAT,
         "version": VERSION,

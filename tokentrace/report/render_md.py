@@ -14,6 +14,7 @@ import pandas as pd
 from tokentrace.report.budget import format_value
 from tokentrace.report.frames import frame_cells
 from tokentrace.report.model import Report, RunHeader
+from tokentrace.report.render_names import column_label, for_people, instance_labels
 from tokentrace.report.sections import Section
 from tokentrace.schema import REQUESTS, SPANS, TOKENS
 
@@ -26,11 +27,13 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown_table(df: pd.DataFrame, *, max_rows: int = _MAX_ROWS) -> str:
-    """``df`` as a pipe table (numbers right-aligned), at most ``max_rows`` rows."""
+def markdown_table(df: pd.DataFrame, *, max_rows: int = _MAX_ROWS, names: dict[int, str] | None = None) -> str:
+    """``df`` as a pipe table (numbers right-aligned, readable headers with units, instances by name: ``names``
+    maps instance ids to names), at most ``max_rows`` rows."""
+    df = for_people(df, names or {})
     headers, rows = frame_cells(df.head(max_rows))
     numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
-    lines = ["| " + " | ".join(_escape(h) for h in headers) + " |",
+    lines = ["| " + " | ".join(_escape(column_label(h)) for h in headers) + " |",
              "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
     lines += ["| " + " | ".join(_escape(c) for c in row) + " |" for row in rows]
     if len(df) > max_rows:
@@ -46,13 +49,16 @@ def _first_lines(report: Report) -> list[str]:
     return [f"**{first}**", ""] + [line for r in rest for line in (r, "")]
 
 
-def _header(run: RunHeader, baseline: RunHeader | None) -> list[str]:
+def _header(run: RunHeader, baseline: RunHeader | None, num_requests: object = None) -> list[str]:
     rows = run.rows
+    names = sorted(instance_labels(list(run.instances)).values())
+    requests = (f"{int(num_requests):,} requests ("
+                if isinstance(num_requests, (int, float)) and num_requests == num_requests else "(")
     lines = [f"- store: `{run.path}`",
              f"- created: {run.created or '-'}; tokentrace {run.tokentrace_version or '-'}",
-             f"- {rows.get(REQUESTS.name, 0):,} request rows, {rows.get(TOKENS.name, 0):,} token rows, "
-             f"{rows.get(SPANS.name, 0):,} span rows; {len(run.instances)} instance(s): "
-             + (", ".join(f"{i.get('role', '?')} `{i.get('name', '?')}`" for i in run.instances) or "-")]
+             f"- {requests}{rows.get(REQUESTS.name, 0):,} request rows, {rows.get(TOKENS.name, 0):,} token rows, "
+             f"{rows.get(SPANS.name, 0):,} span rows) from {len(names)} traced process(es): "
+             + (", ".join(f"`{n}`" for n in names) or "-")]
     if baseline is not None:
         lines.append(f"- baseline: run `{baseline.run_id}` in `{baseline.path}`")
     return lines + [""]
@@ -82,14 +88,14 @@ def _regressions(report: Report) -> list[str]:
     return lines + [f"- ⚠️ {r}" for r in report.regressions] + [""]
 
 
-def _section(s: Section) -> list[str]:
+def _section(s: Section, names: dict[int, str]) -> list[str]:
     lines = [f"## {s.title}", ""]
     if s.note:
         lines += [s.note, ""]
     for caption, df in s.tables:
         if caption:
             lines += [f"**{caption}**", ""]
-        lines += [markdown_table(df), ""]
+        lines += [markdown_table(df, names=names), ""]
     return lines
 
 
@@ -106,10 +112,12 @@ def _metrics(report: Report) -> list[str]:
 def render_markdown(report: Report) -> str:
     """The whole report as one Markdown document (ends with a newline)."""
     lines = ([f"# tokentrace report: run `{report.run.run_id}`", ""] + _first_lines(report)
-             + _header(report.run, report.baseline) + _budgets(report) + _regressions(report))
+             + _header(report.run, report.baseline, report.load.get("num_requests")) + _budgets(report)
+             + _regressions(report))
+    names = instance_labels(list(report.run.instances))
     for s in report.sections:
         if s.key == "diff" and report.baseline is None:
             continue
-        lines += _section(s)
+        lines += _section(s, names)
     lines += _metrics(report)
     return "\n".join(lines).rstrip() + "\n"

@@ -6,10 +6,12 @@ A store is a folder of runs, each a Hive-partitioned Parquet dataset::
     <store>/<run_id>/manifest.d/<writer_id>.json
     <store>/<run_id>/<table>/instance=<writer_id>/part-<n>.parquet
 
-This module is the facade; the parts live in ``store_layout`` (paths, atomic
+This module is the facade; the parts live in ``layout`` (paths, atomic
 file creation), ``manifest`` (run manifest and per-writer fragments),
-``store_writer`` (the sink), ``store_files`` (one file: versions, migration,
-statistics) and ``store_reader`` (runs and tables). See ``docs/store.md``.
+``writer`` (the sink), ``batches`` (a batch brought to its table's schema),
+``journal`` (the crash journal a killed writer's rows are recovered from),
+``files`` (one file: versions, schema checks, migration, statistics) and
+``reader`` (runs and tables). See ``docs/store.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""Reading single part files: version checks, migration to the current schema, statistics.
+"""Reading single part files: version and schema checks, migration to the current schema, statistics.
 
 A file written by an older tokentrace (schema version >=
 ``MIN_READABLE_SCHEMA_VERSION``) is brought to the current schema when read:
 columns renamed since are mapped through :data:`MIGRATIONS`, columns added
 since become nulls, columns dropped since are ignored, and types are cast. A
 file that cannot be read (truncated, garbage, unreadable) is skipped with a
-:class:`~tokentrace.store.manifest.CorruptFileWarning` naming it.
+:class:`~tokentrace.store.manifest.CorruptFileWarning` naming it, and so is a
+file whose schema is not its table's (:func:`schema_problem`): its metadata
+names another table, it lacks one of the table's key columns, or a column has a
+type that cannot hold the table's values (text in a time column).
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ import pyarrow.parquet as pq
 from tokentrace.schema import (
     INSTANCES,
     MIN_READABLE_SCHEMA_VERSION,
+    RUN_COLUMN,
     SCHEMA_VERSION,
     SCHEMA_VERSION_KEY,
     SPANS,
+    TABLE_NAME_KEY,
+    TABLES,
     Table,
     col,
 )
 from tokentrace.store.layout import StoreError
 from tokentrace.store.manifest import CorruptFileWarning
 
-__all__ = ["MIGRATIONS", "PartInfo", "renames_since", "part_info", "read_part", "column_min_max"]
+__all__ = ["MIGRATIONS", "with_run_column", "PartInfo", "renames_since", "part_info", "read_part", "column_min_max", "schema_problem"]
 
 MIGRATIONS: dict[int, dict[str, dict[str, str]]] = {
     # Version 0 (pre-release) -> 1: span bounds and the clock offset were renamed.
@@ -48,6 +54,13 @@ A file of version ``v`` goes through the renames of ``v``, ``v + 1``, ...,
 ``SCHEMA_VERSION - 1`` in turn. Add an entry whenever a column is renamed and
 bump ``SCHEMA_VERSION``; added columns need no entry (they read as nulls).
 """
+
+
+def with_run_column(data: pa.Table, run_id: str) -> pa.Table:
+    """``data`` with :data:`~tokentrace.schema.RUN_COLUMN` appended (``run_id`` in every row), as
+    part files are written. Dictionary-encoded: one value per file costs a few bytes."""
+    values = pa.DictionaryArray.from_arrays(pa.array([0] * data.num_rows, pa.int32()), pa.array([run_id]))
+    return data.append_column(RUN_COLUMN.field().with_type(values.type), values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,20 +108,112 @@ def _file_version(path: Path, schema: pa.Schema) -> int:
     return version
 
 
+class _ForeignFile(ValueError):
+    """The file's schema is not its table's; the message says how."""
+
+
 def _warn_skip(path: Path, err: BaseException) -> None:
-    warnings.warn(f"skipping unreadable store file {path}: {err}", CorruptFileWarning, stacklevel=4)
+    if isinstance(err, _ForeignFile):
+        warnings.warn(f"skipping store file {path}: {err}", CorruptFileWarning, stacklevel=4)
+    else:
+        warnings.warn(f"skipping unreadable store file {path}: {err}", CorruptFileWarning, stacklevel=4)
+
+
+def _fits(file_type: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether a file column of ``file_type`` can hold values of the table's ``wanted`` type."""
+    if pa.types.is_null(file_type):
+        return True
+    if pa.types.is_dictionary(file_type):
+        file_type = file_type.value_type
+    if pa.types.is_integer(wanted):
+        return pa.types.is_integer(file_type)
+    if pa.types.is_string(wanted):
+        return pa.types.is_string(file_type) or pa.types.is_large_string(file_type)
+    return file_type == wanted
+
+
+def schema_problem(schema: pa.Schema, table: Table, version: int) -> str | None:
+    """Why a file of ``table`` with this Arrow ``schema`` (of schema ``version``) is not one, or None.
+
+    Its metadata names another table; it lacks one of the table's non-nullable integer
+    columns (ids, times: every version had them, under the names of that version); or
+    a column's type cannot hold the table's values.
+    """
+    named = (schema.metadata or {}).get(TABLE_NAME_KEY)
+    if named is not None and named.decode("utf-8", "replace") != table.name:
+        return f"its metadata says it holds {named.decode('utf-8', 'replace')!r} rows, not {table.name!r} rows"
+    file_name_of = {new: old for old, new in renames_since(version, table.name).items()}
+    present = {f.name: f.type for f in schema}
+    missing = [c.name for c in table.columns if not c.nullable and pa.types.is_integer(c.type)
+               and file_name_of.get(c.name, c.name) not in present]
+    if missing:
+        return f"it is not a {table.name} file: it lacks the column(s) {', '.join(missing)}"
+    for c in table.columns:
+        file_type = present.get(file_name_of.get(c.name, c.name))
+        if file_type is not None and not _fits(file_type, c.type):
+            return f"its column {c.name} is of type {file_type}, which cannot hold {table.name}.{c.name} ({c.type})"
+    return None
+
+
+def _check_schema(path: Path, schema: pa.Schema, table: Table | None, version: int) -> None:
+    if table is not None:
+        problem = schema_problem(schema, table, version)
+        if problem is not None:
+            raise _ForeignFile(problem)
+
+
+_INT_RANGE = {pa.int8(): (-(2**7), 2**7 - 1), pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1)}
+
+
+def _narrower(file_type: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether an integer column of ``file_type`` may hold values ``wanted`` cannot."""
+    if pa.types.is_dictionary(file_type):
+        file_type = file_type.value_type
+    if not (pa.types.is_integer(file_type) and wanted in _INT_RANGE):
+        return False
+    if pa.types.is_unsigned_integer(file_type):
+        return file_type.bit_width >= wanted.bit_width
+    return file_type.bit_width > wanted.bit_width
+
+
+def _check_ranges(pf: pq.ParquetFile, table: Table | None, version: int) -> None:
+    """For integer columns wider than the table's (a file rewritten by another tool), the values
+    must fit: a reader casts them (DuckDB refuses the whole query on one that does not)."""
+    if table is None:
+        return
+    file_name_of = {new: old for old, new in renames_since(version, table.name).items()}
+    types = {f.name: f.type for f in pf.schema_arrow}
+    for c in table.columns:
+        name = file_name_of.get(c.name, c.name)
+        if name not in types or not _narrower(types[name], c.type):
+            continue
+        bounds = _bounds_from_statistics(pf, name)
+        if bounds is False:
+            bounds = _bounds_from_data(pf.read(columns=[name]).column(0))
+        lo, hi = _INT_RANGE[c.type]
+        if bounds is not None and (bounds[0] < lo or bounds[1] > hi):
+            raise _ForeignFile(f"its column {c.name} ({types[name]}) holds values from {bounds[0]} to {bounds[1]}, "
+                               f"beyond what {table.name}.{c.name} ({c.type}) holds")
+
+
+def _table_of(path: Path) -> Table | None:
+    """The table a part file belongs to, from its folder (``<table>/instance=<id>/part-<n>.parquet``)."""
+    return TABLES.get(path.parent.parent.name)
 
 
 def part_info(path: Path) -> PartInfo | None:
     """Footer facts of one part file, or ``None`` (with a warning naming it) if unreadable.
 
-    Raises ``StoreError`` for a schema version this tokentrace cannot read.
+    Unreadable also means a schema that is not its table's (the table is the file's
+    folder). Raises ``StoreError`` for a schema version this tokentrace cannot read.
     """
     try:
         pf = pq.ParquetFile(path)
         version = _file_version(path, pf.schema_arrow)
+        _check_schema(path, pf.schema_arrow, _table_of(path), version)
+        _check_ranges(pf, _table_of(path), version)
         return PartInfo(path, version, pf.metadata.num_rows, path.stat().st_size)
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, _ForeignFile) as err:
         _warn_skip(path, err)
         return None
 
@@ -124,13 +229,14 @@ def read_part(path: Path, table: Table, columns: Sequence[str] | None = None) ->
     try:
         pf = pq.ParquetFile(path)
         version = _file_version(path, pf.schema_arrow)
+        _check_schema(path, pf.schema_arrow, table, version)
         current_of = renames_since(version, table.name)
         file_name_of = {new: old for old, new in current_of.items()}
         present = set(pf.schema_arrow.names)
         to_read = [file_name_of.get(n, n) for n in wanted if file_name_of.get(n, n) in present]
         raw = pf.read(columns=to_read)
         return _conform(raw, target, file_name_of)
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, _ForeignFile) as err:
         _warn_skip(path, err)
         return None
 
@@ -157,6 +263,7 @@ def column_min_max(path: Path, table: Table, name: str) -> tuple[int, int] | Non
     try:
         pf = pq.ParquetFile(path)
         version = _file_version(path, pf.schema_arrow)
+        _check_schema(path, pf.schema_arrow, table, version)
         file_name = {new: old for old, new in renames_since(version, table.name).items()}.get(name, name)
         if file_name not in pf.schema_arrow.names:
             return None
@@ -164,7 +271,7 @@ def column_min_max(path: Path, table: Table, name: str) -> tuple[int, int] | Non
         if bounds is False:
             bounds = _bounds_from_data(pf.read(columns=[file_name]).column(0))
         return bounds
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, _ForeignFile) as err:
         _warn_skip(path, err)
         return None
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from tokentrace.schema import SCHEMA_VERSION, Role
+from tokentrace.schema import MIN_READABLE_SCHEMA_VERSION, SCHEMA_VERSION, Role
 from tokentrace.store.layout import FRAGMENT_DIR, MANIFEST_NAME, atomic_write_bytes, create_once
 from tokentrace.version import __version__
 
@@ -43,6 +43,7 @@ __all__ = [
     "WriterFragment",
     "read_fragments",
     "read_manifest",
+    "manifest_problem",
     "now_iso",
 ]
 
@@ -124,6 +125,7 @@ class WriterFragment:
     counters: dict[str, int] = field(default_factory=dict)
     parts_written: dict[str, int] = field(default_factory=dict)
     rows_written: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # what failed -> the first error, one sentence
 
     def register_instance(self, instance_id: int, role: Role | str | int, name: str) -> None:
         """Record a traced instance; ``ValueError`` for a bad id or role."""
@@ -137,6 +139,13 @@ class WriterFragment:
             if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"counters must map str to int, got {key!r}: {value!r}")
         self.counters.update(counters)
+
+    def note_error(self, action: str, err: BaseException | str) -> bool:
+        """Keep the first error of ``action`` (e.g. "writing spans rows"); True if it is the first."""
+        if action in self.errors:
+            return False
+        self.errors[action] = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        return True
 
     def add_part(self, table_name: str, num_rows: int, instance_ids: Iterable[int]) -> None:
         """Count one written part file and the instance ids its rows carry."""
@@ -159,6 +168,7 @@ class WriterFragment:
             "counters": dict(sorted(self.counters.items())),
             "parts_written": dict(sorted(self.parts_written.items())),
             "rows_written": dict(sorted(self.rows_written.items())),
+            "errors": dict(sorted(self.errors.items())),
         }
 
     def save(self, run_dir: Path) -> None:
@@ -257,12 +267,43 @@ def _merge_instances(fragments: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _sum_counters(fragments: list[dict[str, Any]]) -> dict[str, int]:
+    """Counters summed over fragments; a value that is not a count is left out with a warning."""
     total: dict[str, int] = {DROPPED: 0, SAMPLED_OUT: 0}
     for frag in fragments:
         counters = frag.get("counters", {})
+        where = f"manifest fragment of writer {frag.get('writer', '?')}"
         if not isinstance(counters, dict):
+            warnings.warn(f"{where}: counters must be an object of counts, got {counters!r}; its counters "
+                          f"are left out", CorruptFileWarning, stacklevel=4)
             continue
         for key, value in counters.items():
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 total[key] = total.get(key, 0) + value
+            else:
+                warnings.warn(f"{where}: counter {key!r} is {value!r}, not a count (a non-negative integer); "
+                              f"it is left out, so the run's {key} total is not known", CorruptFileWarning,
+                              stacklevel=4)
     return dict(sorted(total.items()))
+
+
+def manifest_problem(manifest: Mapping[str, Any]) -> str | None:
+    """Why a run whose merged manifest is ``manifest`` cannot be read by this tokentrace, or None.
+
+    A run-level manifest of another format, or one whose ``schema_version`` is not an
+    integer or is newer (older) than this tokentrace reads. A missing run-level manifest
+    is no problem (its fragments and parts still describe the run).
+    """
+    if "format" in manifest and manifest["format"] != FORMAT:
+        return f"its manifest is of format {manifest['format']!r}, not {FORMAT!r}"
+    if "schema_version" not in manifest and "format" not in manifest:
+        return None  # no (readable) run-level manifest
+    version = manifest.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        return f"its manifest has an invalid schema version {version!r}"
+    if version > SCHEMA_VERSION:
+        return (f"its manifest says schema version {version}, newer than this tokentrace reads "
+                f"({SCHEMA_VERSION}); upgrade tokentrace")
+    if version < MIN_READABLE_SCHEMA_VERSION:
+        return (f"its manifest says schema version {version}, older than the oldest readable "
+                f"({MIN_READABLE_SCHEMA_VERSION})")
+    return None

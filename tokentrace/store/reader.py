@@ -1,8 +1,14 @@
 """Reading a store: find its runs, open one as a :class:`Run`, read its tables.
 
 Everything here reads only finished files (``part-<n>.parquet``); temporary
-files of writers still at work are never opened. A truncated or corrupt file
-is skipped with a :class:`~tokentrace.store.manifest.CorruptFileWarning` naming it.
+files of writers still at work are never opened. A truncated or corrupt file,
+or one whose schema is not its table's, is skipped with a
+:class:`~tokentrace.store.manifest.CorruptFileWarning` naming it.
+
+Opening a run (:func:`open_run`, :func:`list_runs`) first recovers the crash
+journals of writers that were killed (:func:`tokentrace.store.journal.recover_run`),
+and checks the run's manifest: a run written by a newer tokentrace (a schema
+version this one does not know) is refused.
 Bad input (missing path, not a store, empty store, unknown run, unknown table
 or column) raises :class:`~tokentrace.store.layout.StoreError` (a
 ``ValueError``) with one sentence saying what is wrong.
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,8 +29,9 @@ import pyarrow.compute as pc
 
 from tokentrace.schema import REQUESTS, SPANS, TABLES, Table, col
 from tokentrace.store.files import column_min_max, part_info, read_part
+from tokentrace.store.journal import recover_run
 from tokentrace.store.layout import MANIFEST_NAME, StoreError, is_temp_name, part_files
-from tokentrace.store.manifest import DROPPED, SAMPLED_OUT, read_manifest
+from tokentrace.store.manifest import DROPPED, SAMPLED_OUT, CorruptFileWarning, manifest_problem, read_manifest
 
 __all__ = ["Run", "RunInfo", "TableInfo", "open_run", "list_runs", "find_run_dirs"]
 
@@ -277,10 +285,10 @@ def open_run(path: str | os.PathLike[str], run: str | None = None) -> Run:
     """
     runs = find_run_dirs(path)
     if run is None:
-        return Run(runs[-1])
+        return _opened(runs[-1])
     for run_dir in runs:
         if run_dir.name == run:
-            return Run(run_dir)
+            return _opened(run_dir)
     names = [r.name for r in reversed(runs)]
     shown = ", ".join(names[:_MAX_LISTED])
     more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
@@ -290,6 +298,24 @@ def open_run(path: str | os.PathLike[str], run: str | None = None) -> Run:
 def list_runs(path: str | os.PathLike[str]) -> list[RunInfo]:
     """A :class:`RunInfo` for every run of the store at ``path``, oldest first.
 
-    Reads manifests and file footers only. Raises ``StoreError`` as :func:`open_run`.
+    Reads manifests and file footers only (and recovers killed writers' journals).
+    A run this tokentrace cannot read (newer schema version) is left out with a
+    ``CorruptFileWarning``. Raises ``StoreError`` as :func:`open_run`.
     """
-    return [Run(run_dir).info() for run_dir in find_run_dirs(path)]
+    infos = []
+    for run_dir in find_run_dirs(path):
+        try:
+            infos.append(_opened(run_dir).info())
+        except StoreError as err:
+            warnings.warn(f"skipping {err}", CorruptFileWarning, stacklevel=2)
+    return infos
+
+
+def _opened(run_dir: Path) -> Run:
+    """``Run(run_dir)`` after recovering killed writers' journals; ``StoreError`` if unreadable."""
+    recover_run(run_dir)
+    run = Run(run_dir)
+    problem = manifest_problem(run.manifest)
+    if problem is not None:
+        raise StoreError(f"run {run.run_id} cannot be read: {problem}")
+    return run

@@ -5,20 +5,30 @@ file ``<store>/<run>/<table>/instance=<writer_id>/part-<n>.parquet``, written
 under a temporary name and renamed into place, so a file is whole or absent
 even if the process is killed mid-write. The schema (with the schema version
 and table name in its metadata) is the table's ``Table.schema``.
+
+The recorder's flush thread also calls ``journal`` several times a second: the rows it
+still holds for a table's next part are appended, raw, to that part's crash journal
+(:mod:`tokentrace.store.journal`), and the ``write`` of the part deletes the journal.
+Parts keep their fixed cost (one per table every few seconds) while a killed process
+loses only the rows not yet journaled.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from array import array
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokentrace.schema import NULL_INT, TABLES, Role, Table, col
+from tokentrace.schema import Role, Table, col
+from tokentrace.store.batches import prepare_batch
+from tokentrace.store.files import with_run_column
+from tokentrace.store.journal import TableJournal, WriterLock, encode_rows
 from tokentrace.store.layout import (
     new_instance_id,
     new_run_id,
@@ -44,6 +54,7 @@ class StoreWriter:
     several processes, may write the same run at once: each has its own
     ``instance_id`` (random positive 63-bit int), its own partition folders and
     its own manifest fragment, so they never touch the same file.
+    ``journal=False`` turns the crash journal off (:meth:`journal` does nothing).
 
     Construction creates the run folder and manifest and may raise ``OSError``.
     """
@@ -54,6 +65,7 @@ class StoreWriter:
         *,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
+        journal: bool = True,
     ) -> None:
         self.store_path = Path(store_path)
         self.run_id = new_run_id() if run_id is None else validate_run_id(run_id)
@@ -64,6 +76,9 @@ class StoreWriter:
         self._next_part: dict[str, int] = {}  # table name -> next part number (1-based)
         self._closed = False
         self._fragment = WriterFragment(self.instance_id, config=self._config)
+        self._journals: dict[str, TableJournal] = {}  # the open journal of each table's next part
+        self._writer_lock: WriterLock | None = None
+        self._journal_state = "off" if not journal else "unset"  # unset -> on | failed (lock taken lazily)
         self.run_path.mkdir(parents=True, exist_ok=True)
         write_run_manifest(self.run_path, self.run_id, self._config)
         self._fragment.save(self.run_path)
@@ -84,6 +99,8 @@ class StoreWriter:
     def write(self, table: Table, batch: pa.RecordBatch | pa.Table) -> None:
         """Write ``batch`` (rows of ``table``) as one new part file; empty batches write nothing.
 
+        The table's crash journal (rows :meth:`journal` kept for this part) is deleted
+        once the part is written, or given up with it when the write fails.
         Called from the recorder's flush thread; blocks for the file write.
         Raises ``ValueError`` if the batch's columns are not the table's,
         ``RuntimeError`` after ``close``, ``OSError`` on I/O failure (disk full,
@@ -92,17 +109,81 @@ class StoreWriter:
         (-1) turned into nulls.
         """
         data = prepare_batch(table, batch)
-        if data.num_rows == 0:
+        with self._lock:
+            self._check_open()
+            journal = self._journals.pop(table.name, None)
+            try:
+                if data.num_rows:
+                    self._write_part_locked(table, data)
+            finally:
+                if journal is not None:
+                    journal.discard()  # its rows are in the part now, or given up with it
+
+    def journal(self, table: Table, fields: Sequence[str], rows: array, strings: Mapping[str, Mapping[int, str]],
+                instance_id: int) -> None:
+        """Append rows the recorder holds for ``table``'s next part to that part's crash journal.
+
+        ``rows``: row-major int64 rows whose columns are ``fields``, in order (the table's
+        columns but ``instance_id``, which is ``instance_id``); ``strings``: for each string
+        column, the text of the ids its rows hold. The next :meth:`write` of the table gets
+        the same rows and deletes the journal. Called from the recorder's flush thread,
+        several times a second: one small ``write`` system call. A journal that cannot be
+        appended to (disk full) does not raise: the table's journal stops until its next
+        part and the failure is noted in the manifest fragment (the rows themselves are
+        not lost unless the process dies too). ``RuntimeError`` after ``close``.
+        """
+        if not rows:
             return
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"StoreWriter for run {self.run_id} is closed")
-            number = self._next_part.get(table.name, 1)
-            folder = partition_dir(self.run_path, table.name, self.instance_id)
+            self._check_open()
+            if not self._journal_on():
+                return
+            journal = self._journals.get(table.name)
+            if journal is None:
+                folder = partition_dir(self.run_path, table.name, self.instance_id)
+                journal = self._journals[table.name] = TableJournal(folder, self._next_part.get(table.name, 1))
+            if journal.broken:
+                return
+            try:
+                journal.append(encode_rows(fields, rows, strings, instance_id))
+            except OSError as err:
+                self._note_error(f"appending to the crash journal of {table.name}", err)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"StoreWriter for run {self.run_id} is closed")
+
+    def _journal_on(self) -> bool:
+        if self._journal_state == "unset":
+            try:
+                self._writer_lock = WriterLock(self.run_path, self.instance_id)
+                self._journal_state = "on"
+            except OSError as err:
+                self._journal_state = "failed"
+                self._note_error("creating the crash journal's lock file", err)
+        return self._journal_state == "on"
+
+    def _write_part_locked(self, table: Table, data: pa.Table) -> None:
+        number = self._next_part.get(table.name, 1)
+        folder = partition_dir(self.run_path, table.name, self.instance_id)
+        try:
             folder.mkdir(parents=True, exist_ok=True)
-            _write_parquet_atomically(data, folder / part_name(number))
-            self._next_part[table.name] = number + 1
-            self._fragment.add_part(table.name, data.num_rows, _instance_ids(data))
+            _write_parquet_atomically(with_run_column(data, self.run_id), folder / part_name(number))
+        except OSError as err:  # the caller (the recorder) counts the rows and warns once
+            self._note_error(f"writing {table.name} rows", err)
+            raise
+        self._next_part[table.name] = number + 1
+        self._fragment.add_part(table.name, data.num_rows, _instance_ids(data))
+
+    def _note_error(self, action: str, err: BaseException) -> None:
+        """Keep the first failure of each kind in the manifest fragment, so the run says why
+        rows are missing or unprotected (best effort: the fragment may not be writable either)."""
+        if not self._fragment.note_error(action, err):
+            return
+        try:
+            self._fragment.save(self.run_path)
+        except OSError:
+            pass
 
     def register_instance(self, instance_id: int, role: Role | str | int, name: str) -> None:
         """Record in the manifest that this process traces ``instance_id`` with ``role``/``name``.
@@ -134,7 +215,16 @@ class StoreWriter:
         writer's lock, which another thread of the parent may have held at the
         moment of the fork.
         """
-        child = StoreWriter(self.store_path, run_id=self.run_id, config=self._config)
+        # The parent's descriptors stay the parent's: close our copies, never write through them.
+        for journal in self._journals.values():
+            journal.forget_in_child()
+        self._journals = {}
+        if self._writer_lock is not None:
+            self._writer_lock.forget_in_child()
+            self._writer_lock = None
+            self._journal_state = "unset"  # taken afresh if this object is ever used again
+        child = StoreWriter(self.store_path, run_id=self.run_id, config=self._config,
+                            journal=self._journal_state != "off")
         child._fragment.parent_writer_id = self.instance_id
         child._fragment.save(child.run_path)
         return child
@@ -142,39 +232,23 @@ class StoreWriter:
     def close(self) -> None:
         """Mark this writer closed and save its final manifest fragment; idempotent.
 
-        Called once, last, by the recorder. May raise ``OSError`` if the
-        fragment cannot be written; every part file written before stays valid.
+        Called once, last, by the recorder (after it wrote everything it journaled).
+        A journal still open (rows journaled and never written) is left for the next
+        reader to recover. May raise ``OSError`` if the fragment cannot be written;
+        every part file written before stays valid.
         """
         with self._lock:
             if self._closed:
                 return
+            for journal in self._journals.values():
+                journal.close()
+            self._journals = {}
             self._closed = True
+            if self._writer_lock is not None:
+                self._writer_lock.release(remove=True)
+                self._writer_lock = None
             self._fragment.closed = True
             self._fragment.save(self.run_path)
-
-
-def prepare_batch(table: Table, batch: pa.RecordBatch | pa.Table) -> pa.Table:
-    """``batch`` as a ``pa.Table`` with exactly ``table.schema`` (types and metadata).
-
-    Raises ``ValueError`` if ``table`` is not a store table or the batch's
-    column names differ from the table's (order included). Nullable integer
-    columns have ``NULL_INT`` replaced by null; other columns are cast safely
-    (``pa.ArrowInvalid`` on overflow).
-    """
-    if TABLES.get(table.name) != table:
-        raise ValueError(f"unknown table {table.name!r}; tables: {', '.join(TABLES)}")
-    names = list(batch.schema.names)
-    if names != list(table.names):
-        raise ValueError(
-            f"batch columns for table {table.name} do not match the schema: got {names}, expected {list(table.names)}"
-        )
-    arrays = []
-    for i, column in enumerate(table.columns):
-        arr = batch.column(i)
-        if column.nullable and pa.types.is_integer(arr.type):
-            arr = _null_sentinels(arr)
-        arrays.append(arr.cast(column.type) if arr.type != column.type else arr)
-    return pa.Table.from_arrays(arrays, schema=table.schema)
 
 
 def _instance_ids(data: pa.Table) -> list[int]:
@@ -182,14 +256,6 @@ def _instance_ids(data: pa.Table) -> list[int]:
     if col.INSTANCE_ID not in data.column_names:
         return []
     return [v for v in pc.unique(data.column(col.INSTANCE_ID)).to_pylist() if v is not None]
-
-
-def _null_sentinels(arr: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
-    """Replace ``NULL_INT`` by null in an integer array (a no-op copy-free path if none)."""
-    mask = pc.equal(arr, pa.scalar(NULL_INT, arr.type))
-    if not pc.any(mask).as_py():
-        return arr
-    return pc.if_else(mask, pa.scalar(None, arr.type), arr)
 
 
 def _write_parquet_atomically(data: pa.Table, final: Path) -> None:

@@ -21,6 +21,7 @@ from reference_server.engine import Engine, EngineConfig, TenantConfig
 from reference_server.model import SamplingParams
 from reference_server.serving.backend import BackendUnavailable, GenerateRequest
 from reference_server.serving.cluster import ClusterBackend
+from reference_server.serving.gateway_metrics import GatewayMetrics
 from reference_server.serving.worker_hooks import WorkerObserver
 
 torch.set_num_threads(1)
@@ -269,6 +270,10 @@ def kill_and_finish(backend, loop, victim_of, prompts, sampling, prefix: str):
     return loop.run(go())
 
 
+async def _stats(backend):
+    return backend.stats()  # on the cluster's loop, as the gateway reads it
+
+
 def test_colocated_worker_killed_mid_stream_then_restarted(colocated, loop):
     backend, events = colocated
     prompts = PROMPTS[:4]
@@ -285,6 +290,10 @@ def test_colocated_worker_killed_mid_stream_then_restarted(colocated, loop):
     stopped = [e for e in events.named("WorkerStopped") if e.instance == victim]
     assert stopped and stopped[0].num_inflight >= 1 and stopped[0].reason.startswith("connection_lost")
     assert not backend.stats().instance(victim).alive
+    # The dead worker's last gauges (KV blocks, queues) are gone from /metrics; only up = 0 stays.
+    victim_lines = [line for line in GatewayMetrics(lambda: loop.run(_stats(backend))).render().decode().splitlines()
+                    if f'instance="{victim}"' in line]
+    assert victim_lines == [f'reference_server_instance_up{{instance="{victim}",role="colocated"}} 0.0']
 
     loop.run(backend.restart_worker(victim))
 

@@ -51,6 +51,8 @@ def test_load_json(tmp_path: Path) -> None:
     ("[tenants.a]\nmax_concurrency = 1.5\n", "must be an integer"),
     ("title = 'x'\n", "non-empty 'tenants' table"),
     ("[tenants\n", "syntax error"),
+    ("[tenants.a]\napi_keys = []\n", "tenants.a.api_keys is empty"),
+    ("[tenants.a]\napi_keys = ['k']\n[tenant.b]\n", "unknown top-level field"),
 ])
 def test_bad_files_raise_value_errors_naming_the_problem(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "t.toml"
@@ -84,3 +86,25 @@ def test_auth_off_serves_everyone_as_default() -> None:
     assert not auth.enabled
     assert auth.tenant_for(None) == "default"
     assert auth.tenant_for("Bearer whatever") == "default"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[tenants.a]\napi_keys = ['k']\n[admin]\napi_keys = []\n", "admin.api_keys is empty"),
+    ("[tenants.a]\napi_keys = ['k']\n[admin]\napi_keys = ['k']\n", "admin API key is also a key of tenants.a"),
+    ("[tenants.a]\napi_keys = ['k']\n[admin]\nkeys = ['x']\n", "admin: unknown field"),
+    ("admin = 'root'\n[tenants.a]\napi_keys = ['k']\n", "admin must be a table"),
+])
+def test_bad_admin_tables_raise_value_errors(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        TenantAuth.from_file(path)
+
+
+def test_admin_keys_read_everything_and_are_no_tenant(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TOML + "\n[admin]\napi_keys = ['sk-ops']\n")
+    auth = TenantAuth.from_file(path)
+    assert auth.is_admin("Bearer sk-ops") and auth.tenant_for("Bearer sk-ops") is None
+    assert not auth.is_admin("Bearer sk-acme-1") and not auth.is_admin(None)
+    assert TenantAuth().is_admin(None)  # auth off: one tenant, who may read everything

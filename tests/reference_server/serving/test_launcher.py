@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,3 +114,43 @@ def test_bad_options_exit_2_with_a_message(args, message):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "reference_server", "--port", str(port), "--mode", "colocated",
+                               "--instances", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_ctrl_c_to_the_process_group_of_a_traced_disagg_server_stops_it_cleanly(tmp_path):
+    """Ctrl-C reaches every process of the group (tokentrace run, the gateway, both workers), and
+    tokentrace run forwards it once more: no traceback, exit 0, every process's trace flushed."""
+    from tokentrace.store import open_run
+
+    proc = subprocess.Popen([sys.executable, "-c", "from tokentrace.cli import main; main()", "run", "--store",
+                             str(tmp_path), "--run", "ctrl-c", "--", sys.executable, "-m", "reference_server",
+                             "--mode", "disagg", "--port", "0"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY "), proc.stderr.read()
+        url = line.split()[1]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "interrupt me", "max_tokens": 6,
+                                                       "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    run = open_run(tmp_path, "ctrl-c")
+    writers = run.manifest["writers"]
+    assert len(writers) == 3 and all(w["closed"] for w in writers)  # no worker was killed mid-flush
+    names = {i["name"].split("-")[0] for i in run.instances()}
+    assert names == {"gateway", "prefill", "decode"}
+    assert run.num_rows("tokens") >= 6  # the decode worker's tokens reached the store

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 import tokentrace
 from tokentrace.cli import app, register_commands
 from tokentrace.export import perfetto_trace
+from tokentrace.palette import STAGE_COLOURS, TRACE_COLOUR_NAMES
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, STEPS, TOKENS, Role, Stage, col
 from tokentrace.store import StoreWriter
 
@@ -157,7 +158,10 @@ def test_tracks_per_instance_and_request_on_the_reference_clock(pd_store):
     assert by_name["prefill.compute"]["ts"] == pytest.approx(100.0) and by_name["prefill.compute"]["dur"] == 200.0
     assert by_name["transfer.kv"]["ts"] == pytest.approx(1000.0)  # local 0 + 1 ms offset
     assert by_name["transfer.kv"]["pid"] == procs["decode-d0"] != by_name["prefill.compute"]["pid"]
-    assert by_name["decode.compute"]["args"] == {"request": "chat-5", col.TOKEN_INDEX: 1}
+    assert by_name["decode.compute"]["args"] == {"request": "chat-5", col.TOKEN_INDEX: 1,
+                                                 "colour": STAGE_COLOURS[Stage.DECODE_COMPUTE]}
+    # the one palette: the stage's colour, and the nearest colour name chrome://tracing takes
+    assert by_name["decode.compute"]["cname"] == TRACE_COLOUR_NAMES[Stage.DECODE_COMPUTE]
     assert "detokenize" not in by_name and trace["otherData"]["skipped_spans"] == "1"
     token, received = [e for e in events if e["ph"] == "i"]
     assert token["ts"] == pytest.approx(1080.0) and token["tid"] == by_name["decode.compute"]["tid"]

@@ -26,8 +26,11 @@ BREAKDOWN = pd.DataFrame({"stage": ["schedule.queue", "prefill.compute", "decode
                           "itl_share": [0.0, 0.0, 0.97, 0.03], "itl_tail_share": [0.0, 0.0, 1.0, 0.0]})
 WINDOWS = pd.DataFrame({"window_start_s": [0.0, 1.0, 0.0, 1.0], "metric": ["ttft", "ttft", "itl", "itl"],
                         "p50_ms": [10.0, 14.0, 3.0, 3.2], "p99_ms": [12.0, 15.0, 4.0, 4.4]})
+BIG_ID = 4030198795875324637  # a real 63-bit instance id: never shown to a person, a string for machines
 QUEUES = pd.DataFrame({col.INSTANCE_ID: [7, 7], "t_s": [0.0, 1.0], col.NUM_WAITING: [2.0, 0.0],
                        col.NUM_RUNNING: [3.0, 4.0], col.NUM_PREEMPTED: [0.0, 0.0]})
+LITTLE = pd.DataFrame({col.INSTANCE_ID: [BIG_ID], "duration_s": [10.0], "relative_error": [-0.36],
+                       "mean_in_system": [1234.5678]})
 DIFF = pd.DataFrame({"metric": ["itl", "ttft"], "statistic": ["p99", "p99"], "baseline": [2.2, 15.0],
                      "candidate": [4.4, 15.1], "delta": [2.2, 0.1], "rel_change": [1.0, 0.0067],
                      "ci_low": [1.9, -0.5], "ci_high": [2.5, 0.6], "significant": [True, False],
@@ -40,7 +43,8 @@ VERDICT = "SATURATED: arrivals outran service, offered 9.00 req/s over the 10.0 
 def _header(run_id: str) -> RunHeader:
     return RunHeader(run_id=run_id, path=f"/stores/{run_id}", created="2026-11-29T10:00:00Z",
                      tokentrace_version="0.1.0", rows={REQUESTS.name: 4, TOKENS.name: 16},
-                     instances=({"instance": 7, "role": "colocated", "name": "engine-0"},),
+                     instances=({"instance": 7, "role": "colocated", "name": "engine-0"},
+                                {"instance": BIG_ID, "role": "decode", "name": "decode-0"}),
                      counters={"dropped": 0, "sampled_out": 2})
 
 
@@ -53,6 +57,8 @@ def report() -> Report:
     sections = (Section("latency", "Latency (server view)", "In ms.", (("", LATENCY),)),
                 Section("stage_breakdown", "Stage breakdown", "Shares | of time <b>", (("Shares", BREAKDOWN),)),
                 Section("cache", "Prefix cache", "Not available: the run has no cache_events rows."),
+                Section("queues", "Queues", "Waiting requests over time are charted in the HTML report.",
+                        (("Little's law", LITTLE),)),
                 Section("diff", "Difference from the baseline", "1 significant regression(s).",
                         (("Significant changes", DIFF[DIFF["significant"]]),)))
     return Report(run=_header("cand"), baseline=_header("base"), sections=sections, metrics=metrics, diff=DIFF,
@@ -79,6 +85,21 @@ def test_markdown_has_header_budgets_regressions_and_every_section(report):
     assert "| schedule.queue | 4.00 | 32.0% | 50.0% |" in md  # shares as percentages
     table_rows = [line for line in md.splitlines() if line.startswith("| ttft |")]
     assert table_rows == ["| ttft | 4 | 12.50 | 12.00 | 14.00 | 15.00 | 15.10 |"]
+
+
+def test_people_read_names_and_machines_read_ids_as_strings(report):
+    md, page = render(report, "md"), render(report, "html")
+    for text in (md, page):
+        assert str(BIG_ID) not in text and "decode-0" in text  # the instance by name, in the header and tables
+        assert "p99 (ms)" in text and "1,234.6" in text  # headers with units, numbers with separators
+    assert "| decode-0 | 10.00 | -36.0% | 1,234.6 |" in md
+    assert "charted in the HTML report" in md and "charted in the HTML report" not in page  # HTML: "above"
+    assert "<div class='table-wrap'><table>" in page  # a wide table scrolls in its box, not the page
+    doc = json.loads(render(report, "json"))
+    assert doc["run"]["instances"][1]["instance"] == str(BIG_ID)  # exact: a JavaScript number would round it
+    assert doc["run"]["instance_names"] == {"7": "colocated · engine-0", str(BIG_ID): "decode-0"}
+    assert doc["sections"]["queues"]["tables"][0]["rows"][0]["instance"] == "decode-0"  # as the other formats
+    assert not re.search(r"(?<![\d\"])\d{16,}", render(report, "json"))  # no bare 16+ digit number
 
 
 def test_markdown_table_truncates_long_tables():
@@ -119,7 +140,7 @@ def test_json_has_stable_keys_and_strict_numbers(report):
                          "regressions", "diff", "sections"]
     assert doc["load"]["offered_rps"] == 9.0 and doc["load"]["served_rps"] == 4.5 and doc["load"]["saturated"] is True
     assert doc["headline"][0] == VERDICT
-    assert doc["format"] == "tokentrace-report" and doc["version"] == 1 and doc["passed"] is False
+    assert doc["format"] == "tokentrace-report" and doc["version"] == 2 and doc["passed"] is False
     assert doc["run"]["run_id"] == "cand" and doc["baseline"]["run_id"] == "base"
     assert doc["metrics"]["ttft.p99"] == 15.0
     first = doc["budgets"][0]

@@ -1,8 +1,8 @@
 """``tokentrace demo``: the reference server, disaggregated and traced, replaying a real trace.
 
 Exit status: 0 when the demo ran (Ctrl-C while the dashboard is served included),
-2 on bad options or a missing trace, 1 when the server did not start, 130 when
-interrupted before the report.
+2 on bad options, a missing trace or a dashboard port in use (checked first), 1 when
+the server did not start, 130 when interrupted before the report.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def demo_command(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Dashboard port on 127.0.0.1.")] = 8050,
     model: Annotated[str, typer.Option(help="Reference model preset (tiny, small).")] = "small",
     time_scale: Annotated[float, typer.Option(help="Multiply the trace's arrival times (<1 = faster).")] = 1.0,
-    length_scale: Annotated[float, typer.Option(help="Multiply prompt and output lengths.")] = 1 / 64,
+    length_scale: Annotated[float, typer.Option(help="Multiply prompt lengths.")] = 1 / 64,
+    output_scale: Annotated[float, typer.Option(help="Multiply output lengths (the trace's; 1/16: ~22 tokens "
+                                                     "per request).")] = 1 / 16,
     block_size: Annotated[int, typer.Option(min=1, help="Server KV block size in tokens.")] = 8,
     trace: Annotated[Optional[Path], typer.Option(help="Mooncake JSONL trace (default: the shared one).")] = None,
     run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
@@ -41,7 +43,8 @@ def demo_command(
     from tokentrace.store import StoreError
 
     opts = DemoOptions(store=store, num_requests=requests, model=model, time_scale=time_scale,
-                       length_scale=length_scale, block_size=block_size, trace=trace, run=run,
+                       length_scale=length_scale, output_scale=output_scale, block_size=block_size, trace=trace,
+                       run=run,
                        dashboard=not no_dashboard, port=port, device=device)
     try:
         run_demo(opts)

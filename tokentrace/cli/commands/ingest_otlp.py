@@ -27,12 +27,22 @@ def ingest_otlp_command(
     role: Annotated[str, typer.Option(help="Role recorded for the traced server (colocated, prefill, decode, ...).")] = "colocated",
     grpc_listen: Annotated[Optional[str], typer.Option(
         help="Also receive OTLP/gRPC on HOST:PORT (4317 by convention; needs grpcio).")] = None,
+    tenant_attribute: Annotated[Optional[list[str]], typer.Option(
+        help="Span or resource attribute holding the tenant (repeatable; default tokentrace.tenant).")] = None,
+    tenant_header: Annotated[Optional[list[str]], typer.Option(
+        help="Request header holding the tenant, as recorded in http.request.header.<name> (default X-Tenant).")]
+    = None,
+    slo_class_attribute: Annotated[Optional[list[str]], typer.Option(
+        help="Attribute holding the SLO class (repeatable; default tokentrace.slo_class).")] = None,
+    slo_class_header: Annotated[Optional[list[str]], typer.Option(
+        help="Request header holding the SLO class (default X-SLO-Class).")] = None,
 ) -> None:
     """Receive OTLP traces (e.g. vLLM's) into a store until Ctrl-C / SIGTERM: HTTP, and gRPC with --grpc-listen.
 
     OTLP/HTTP on POST /v1/traces (protobuf or JSON); OTLP/gRPC's TraceService/Export.
-    vLLM's llm_request spans become requests rows and queue, prefill and decode spans.
-    Other spans are counted and ignored.
+    vLLM's llm_request and request-lifecycle spans, SGLang's request traces and tokentrace's own
+    OTLP export become requests, stage spans and tokens; each traced process (its OTLP resource)
+    its own instance. Other spans are counted and ignored.
 
     vLLM exports over gRPC by default. With --grpc-listen 127.0.0.1:4317, start it as:
     OTEL_EXPORTER_OTLP_TRACES_INSECURE=true vllm serve MODEL --otlp-traces-endpoint grpc://127.0.0.1:4317
@@ -40,7 +50,18 @@ def ingest_otlp_command(
     Over HTTP (no grpcio needed):
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf vllm serve MODEL --otlp-traces-endpoint http://127.0.0.1:4318/v1/traces
     """
+    from instrument.otlp_requests import IngestOptions, header_attribute
     from instrument.otlp_server import serve_otlp
+
+    defaults = IngestOptions()
+
+    def keys(attributes: Optional[list[str]], headers: Optional[list[str]], default: tuple[str, ...]) -> tuple[str, ...]:
+        if not attributes and not headers:
+            return default
+        return tuple(attributes or ()) + tuple(header_attribute(h) for h in headers or ())
+
+    options = IngestOptions(tenant_keys=keys(tenant_attribute, tenant_header, defaults.tenant_keys),
+                            slo_class_keys=keys(slo_class_attribute, slo_class_header, defaults.slo_class_keys))
 
     try:
         host, port = parse_listen(listen)
@@ -55,7 +76,7 @@ def ingest_otlp_command(
 
     try:
         summary = serve_otlp(host=host, port=port, store=str(store), run=run, role=role,
-                             grpc_listen=grpc_address, on_ready=ready)
+                             grpc_listen=grpc_address, on_ready=ready, options=options)
     except ImportError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

@@ -9,10 +9,16 @@ process those spawn with the inherited environment (the reference server's
 worker processes), writes into the same run. SIGINT and SIGTERM are forwarded
 to the command; the exit status is the command's (128 + signal number if a
 signal ended it, 127 if it could not be started).
+
+Tracing never stops the command: a store that cannot be written (a read-only
+mount, a path under a file, a full disk) is one ``tokentrace:`` warning line on
+stderr, and the command runs untraced. The run folder and its manifest are
+created here, before the command starts, so that check is made once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -25,24 +31,33 @@ __all__ = ["register", "run_traced"]
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
-def run_traced(command: list[str], *, store: Path, run: str | None = None, sample: float | None = None) -> int:
+def run_traced(command: list[str], *, store: Path, run: str | None = None, sample: float | None = None,
+               metrics_port: int | None = None) -> int:
     """Run ``command`` traced into ``store``/``run`` (a new run id if None); its exit status.
 
     Blocks until the command ends; forwards SIGINT/SIGTERM to it meanwhile
-    (main thread only). ``ValueError`` for an empty command, a bad run id or a
-    sample rate outside (0, 1].
+    (main thread only). ``metrics_port``: each traced process serves live Prometheus
+    metrics on the first free port from it (:mod:`tokentrace.live_metrics`). ``ValueError``
+    for an empty command, a bad run id, a sample rate outside (0, 1] or a bad port.
     """
-    from instrument.child_env import child_environment
+    from instrument.child_env import ENV_RUN, ENV_SAMPLE, ENV_STORE, child_environment
     from tokentrace.store import new_run_id, validate_run_id
 
     if not command:
         raise ValueError("give the command to run after --, e.g. tokentrace run --store st -- python -m reference_server")
     if sample is not None and not 0.0 < sample <= 1.0:
         raise ValueError(f"--sample must be in (0, 1], got {sample}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be in 0..65535, got {metrics_port}")
     run_id = new_run_id() if run is None else validate_run_id(run)
-    store.mkdir(parents=True, exist_ok=True)
-    env = child_environment(store, run_id, sample)
-    typer.echo(f"tokentrace: tracing into {store.resolve() / run_id}", err=True)
+    problem = _create_run(store, run_id, sample)
+    if problem is None:
+        env = child_environment(store, run_id, sample, metrics_port=metrics_port)
+        typer.echo(f"tokentrace: tracing into {store.resolve() / run_id}", err=True)
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in (ENV_STORE, ENV_RUN, ENV_SAMPLE)}
+        typer.echo(f"tokentrace: warning: cannot write the store at {store} ({problem}); "
+                   f"running the command untraced", err=True)
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as err:
@@ -69,15 +84,31 @@ def run_traced(command: list[str], *, store: Path, run: str | None = None, sampl
     return 128 - code if code < 0 else code
 
 
+def _create_run(store: Path, run_id: str, sample: float | None) -> str | None:
+    """Create the run's folder and manifest; why that failed (one phrase), or None."""
+    from tokentrace.store.manifest import write_run_manifest
+
+    try:
+        run_dir = store / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_manifest(run_dir, run_id, {"launcher": "tokentrace run", "sample": 1.0 if sample is None else sample})
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def run_command(
     command: Annotated[list[str], typer.Argument(help="The command to trace, after --.")],
     store: Annotated[Path, typer.Option(help="Store folder every traced process writes into.")],
     run: Annotated[Optional[str], typer.Option(help="Run id (default: a new time-stamped id).")] = None,
     sample: Annotated[Optional[float], typer.Option(help="Head-sampling rate in (0, 1]; default: every request.")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="Serve live Prometheus metrics (/metrics on 127.0.0.1) from each traced process, on the first "
+             "free port from this one.")] = None,
 ) -> None:
     """Run a command with every Python process it starts traced (like opentelemetry-instrument)."""
     try:
-        code = run_traced(list(command), store=store, run=run, sample=sample)
+        code = run_traced(list(command), store=store, run=run, sample=sample, metrics_port=metrics_port)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
