@@ -64,7 +64,7 @@ def test_covered_ns(intervals, lo, hi, expected):
 def run_clients(url: str, model: str = "tiny", *, num_requests: int = NUM_REQUESTS,
                 max_tokens: int = MAX_TOKENS) -> list[RawResult]:
     def one(i: int) -> RawResult:
-        body = {"model": model, "prompt": f"independent {i} " + "lorem ipsum " * (3 + i), "max_tokens": max_tokens,
+        body = {"model": model, "prompt": f"independent {i} " + "lorem ipsum " * (15 + 2 * i), "max_tokens": max_tokens,
                 "stream": True, "ignore_eos": True, "temperature": 0}
         return raw_stream(url, f"raw-{i}", body)
 
