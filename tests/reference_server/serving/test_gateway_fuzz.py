@@ -136,28 +136,26 @@ header_text = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0
 
 @FUZZ
 @given(request_id=header_text, slo=header_text, traceparent=header_text, authorization=header_text,
-       content_length=st.sampled_from(["", "-1", "abc", "99999999999999999999999", "0", "12"]))
+       content_length=st.sampled_from([None, "-1", "abc", "99999999999999999999999", "0", "12"]))
 def test_any_header_values_get_an_answer_below_500(served, request_id, slo, traceparent, authorization,
                                                    content_length) -> None:
     server, _ = served
-    headers = {"x-request-id": request_id, "x-slo-class": slo, "traceparent": traceparent,
-               "authorization": authorization or "Bearer sk-acme", "content-type": "application/json"}
     body = json.dumps({"model": "tiny", "prompt": "headers", "max_tokens": 2}).encode()
-    if content_length:
-        headers["content-length"] = content_length
-        try:
-            with socket.create_connection((server.host, server.port), timeout=60) as sock:
-                lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-                sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{lines}Connection: close\r\n\r\n".encode()
-                             + body)
-                sock.settimeout(5)
-                answer = sock.recv(200)
-        except TimeoutError:
-            return  # a declared length longer than the body: the server waits for the rest (then 408)
-        status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 400
-    else:
-        status = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=60).status_code
-    assert status < 500
+    headers = {"x-request-id": request_id, "x-slo-class": slo, "traceparent": traceparent,
+               "authorization": authorization or "Bearer sk-acme", "content-type": "application/json",
+               "content-length": str(len(body)) if content_length is None else content_length}
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())  # sent raw: no client tidies them up
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{lines}Connection: close\r\n\r\n".encode()
+                     + body)
+        answer = b""
+        while b"\r\n" not in answer:  # a declared length beyond the body waits for the body timeout (408)
+            chunk = sock.recv(200)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 "), answer
+    assert int(answer.split(b" ", 2)[1]) < 500, answer
 
 
 def test_lone_surrogates_in_prompt_chat_and_model_are_400s(served) -> None:

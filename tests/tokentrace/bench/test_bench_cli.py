@@ -70,7 +70,9 @@ def test_the_summary_and_the_run_are_the_same_from_any_number_of_processes(fake_
     assert (d["num_prompts"], d["completed"], d["failed"], d["not_sent"]) == (6, 6, 0, 0)
     assert d["total_output_tokens"] == 18 and d["processes"] == int(processes)
     assert d["median_send_lag_ms"] is not None and d["request_goodput"] > 0
-    assert d["p99_itl_ms"] > 0  # 6 requests x 2 gaps, from whichever process received them
+    # 6 requests x 2 gaps, from whichever process received them (0 when a busy machine delivered a
+    # request's chunks in one read: they share its stamp)
+    assert d["p99_itl_ms"] is not None and d["p99_itl_ms"] >= 0
     run = open_run(tmp_path, "p")
     assert len(run.instances()) == 1 and len(run.table(REQUESTS.name)) == 6 and len(run.table(TOKENS.name)) == 18
 
