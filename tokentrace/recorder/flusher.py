@@ -166,15 +166,15 @@ class Flusher:
         if chunk is None:
             return
         name = b.layout.table.name
-        num_rows = len(chunk) // b.width
-        self._pending[name].append(chunk)
-        self.journaled[name] += num_rows
         sink = self.journal_sink
         assert sink is not None  # only called while journaling
         try:
             sink.journal(b.layout.table, b.layout.fields, chunk, self._strings_of(b, chunk), self.instance_id)
         except Exception as e:  # the rows stay pending: only their crash protection is lost
             self.warn_once(f"journaling {name} rows", e)
+        finally:
+            self._pending[name].append(chunk)
+            self.journaled[name] += len(chunk) // b.width
 
     def _strings_of(self, b: TableBuffer, chunk: array) -> dict[str, dict[int, str]]:
         """The strings the string columns' ids in ``chunk`` stand for (looked up, not consumed)."""

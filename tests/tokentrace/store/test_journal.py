@@ -120,14 +120,19 @@ def test_journaled_strings_and_nulls_come_back_as_the_recorder_would_write_them(
     rid = rec.request_begin("req-1", tenant="acme", slo_class="batch", arrival_ns=5, trace_id="ab" * 16)
     rec.request_end(rid, finish_ns=9, error="")
     rec.span(rid, 3, 1, 2)  # token_index -1 etc.: nulls where the schema says so
+    def from_journal() -> dict[str, pa.Table]:
+        found = {t.name: read_journal(p, t)[0] for p in journals(w.run_path)
+                 for t in (REQUESTS, SPANS) if p.parent.parent.name == t.name}
+        return {name: data for name, data in found.items() if data is not None}
+
     deadline = time.monotonic() + 60
-    while len(journals(w.run_path)) < 2 and time.monotonic() < deadline:
+    while len(from_journal()) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)  # waits for the flush thread to journal both tables
-    from_journal = {t.name: read_journal(p, t)[0] for p in journals(w.run_path)
-                    for t in (REQUESTS, SPANS) if p.parent.parent.name == t.name}
+    journaled = from_journal()
+    assert sorted(journaled) == [REQUESTS.name, SPANS.name]
     rec.close()
     run = open_run(tmp_path)
-    for name, data in from_journal.items():
+    for name, data in journaled.items():
         written = run.table(name)
         assert data.to_pylist() == written.to_pylist() and data.schema == written.schema
 # --------------------------------------------------------------------------- killed processes
