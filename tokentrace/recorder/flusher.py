@@ -130,12 +130,19 @@ class Flusher:
                     self._write_one(b)
 
     def _journal_all(self) -> None:
-        """Hand every buffered row to the sink's crash journal (a part is cut once enough wait)."""
-        with self.lock:
-            for b in self.buffers:
+        """Hand every buffered row to the sink's crash journal (a part is cut once enough wait).
+
+        Between two tables the thread lets go of the GIL (``time.sleep(0)``), so a server's
+        event loop waiting for it waits for one table's append at most, not for all of them.
+        """
+        for b in self.buffers:
+            if not b.num_rows():
+                continue
+            with self.lock:
                 self._journal(b)
                 if self.journaled[b.layout.table.name] >= self.batch_rows:
                     self._commit(b)
+            time.sleep(0)
 
     def flush_all(self) -> None:
         """Write every row buffered when called (any thread; blocks while the sink writes).

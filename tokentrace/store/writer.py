@@ -78,10 +78,12 @@ class StoreWriter:
         self._fragment = WriterFragment(self.instance_id, config=self._config)
         self._journals: dict[str, TableJournal] = {}  # the open journal of each table's next part
         self._writer_lock: WriterLock | None = None
-        self._journal_state = "off" if not journal else "unset"  # unset -> on | failed (lock taken lazily)
+        self._journal_state = "off" if not journal else "unset"  # unset -> on | failed
         self.run_path.mkdir(parents=True, exist_ok=True)
         write_run_manifest(self.run_path, self.run_id, self._config)
         self._fragment.save(self.run_path)
+        if journal:
+            self._journal_on()  # the lock now, at set-up, not in the first journal append under load
 
     def __repr__(self) -> str:
         return f"StoreWriter({str(self.store_path)!r}, run_id={self.run_id!r}, instance_id={self.instance_id})"
