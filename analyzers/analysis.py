@@ -8,6 +8,8 @@ Open it from a store::
     a.latency(by="tenant")                     # TTFT / TPOT / ITL / E2E percentiles per tenant
     a.stage_breakdown()                        # where TTFT and ITL went, mean and tail
     a.slo(); a.goodput(); a.fluidity()         # SLO attainment, DistServe goodput, Etalon fluidity
+    a.speculation()                            # speculative decoding: acceptance, draft cost, where it hurt
+    a.sessions()                               # multi-turn sessions: cross-turn KV reuse, what evictions cost
     a.diff(tokentrace.open("baseline/").analyze())
 
 Each method delegates to one module of :mod:`analyzers` and returns pandas
@@ -15,7 +17,8 @@ DataFrames (or a small frozen dataclass of them); column meanings and formulas
 are in ``docs/analyzers.md``. Nothing is printed, plotted or written.
 
 The analyses run in DuckDB over the run's Parquet files (only result rows reach
-memory). A table the run lacks reads as empty, so its analyses return empty
+memory), or on Apache Spark with ``run.analyze(engine="spark")`` (the same SQL,
+translated; :mod:`analyzers.spark_engine`). A table the run lacks reads as empty, so its analyses return empty
 frames. Results are not cached between calls except the per-token and
 per-request facts every analysis shares. Not thread-safe: one ``RunAnalysis``
 per thread.
@@ -38,7 +41,9 @@ from analyzers import loop_lag as _loop_lag
 from analyzers import neighbours as _neighbours
 from analyzers import pd_ratio as _pd
 from analyzers import queues as _queues
+from analyzers import sessions as _sessions
 from analyzers import slo as _slo
+from analyzers import speculative as _speculative
 from analyzers import stage_breakdown as _breakdown
 from analyzers import tenants as _tenants
 from analyzers.source import Source
@@ -49,11 +54,11 @@ __all__ = ["RunAnalysis"]
 class RunAnalysis:
     """The analyses of one run. Build with ``Run.analyze()`` or ``RunAnalysis(run)`` / ``RunAnalysis.of(source)``."""
 
-    def __init__(self, run: Any = None, *, source: Source | None = None) -> None:
+    def __init__(self, run: Any = None, *, source: Source | None = None, engine: Any = None) -> None:
         if source is None:
             if run is None:
                 raise ValueError("RunAnalysis needs a run (tokentrace.open(...)) or a source")
-            source = Source.of_run(run)
+            source = Source.of_run(run, engine=engine)
         self.run = run
         self.source = source
 
@@ -151,7 +156,27 @@ class RunAnalysis:
         """What shared the steps of the slowest decode tokens, against median tokens."""
         return _batch.interference(self.source, tail_fraction=tail_fraction)
 
+    # ------------------------------------------------------------ speculative decoding
+
+    def speculation(self, *, min_effect_ms: float = _speculative.MIN_EFFECT_MS,
+                    min_tokens: int = _speculative.MIN_TOKENS) -> _speculative.SpecReport:
+        """Speculative decoding: acceptance by draft position, request, tenant and batch size; accepted tokens per
+        verify step; draft cost and rejected draft work; ITL of speculative against plain decode tokens (measured
+        and amortized per token), and the batch sizes where speculation was slower. Empty frames without it."""
+        return _speculative.speculation(self.source, min_effect_ms=min_effect_ms, min_tokens=min_tokens)
+
+    def acceptance(self, *, by: str | None = None) -> pd.DataFrame:
+        """Speculative acceptance rate, overall or per ``by`` in ``"request"``, ``"tenant"``, ``"batch_size"``,
+        ``"draft_source"``."""
+        return _speculative.acceptance(self.source, by=by)
+
     # ------------------------------------------------------------ tenants
+
+    def sessions(self) -> _sessions.SessionReport:
+        """Multi-turn sessions: per turn and per session, TTFT, generation and think time; cross-turn prefix
+        reuse (carried, reused per tier, lost tokens) and what the KV lost during think time cost (extra
+        prefill, load time); the retention policy's record; tenant fairness per session and per request."""
+        return _sessions.sessions(self.source)
 
     def tenants(self, *, weights: Mapping[str, float] | None = None) -> _tenants.TenantReport:
         """Per-tenant latency, shares and Jain's fairness by requests, tokens and compute time."""
@@ -171,7 +196,7 @@ class RunAnalysis:
         """This run (candidate) against ``baseline`` (a RunAnalysis, Run or Source): bootstrap CIs, p-values and
         sample sizes per metric and stage; significant changes need ``min_effect`` and ``min_effect_ms``;
         regressions ranked by their contribution to TTFT and ITL."""
-        return _diff.diff(_as_source(baseline), self.source, resamples=resamples, seed=seed,
+        return _diff.diff(_as_source(baseline, self.source), self.source, resamples=resamples, seed=seed,
                           min_effect=min_effect, min_effect_ms=min_effect_ms, confidence=confidence)
 
     def agreement(self) -> pd.DataFrame:
@@ -181,17 +206,18 @@ class RunAnalysis:
         if self.run is not None:  # the reader's tables, on the recording clocks (agreement aligns them)
             requests, tokens, spans = (self.run.table(n) for n in ("requests", "tokens", "spans"))
         else:
-            requests, tokens, spans = (self.source.con.sql(f"SELECT * FROM raw_{n}").to_arrow_table()
+            requests, tokens, spans = (self.source.arrow(f"SELECT * FROM raw_{n}")
                                        for n in ("requests", "tokens", "spans"))
-        instances = self.source.con.sql("SELECT * FROM instances").to_arrow_table()
+        instances = self.source.arrow("SELECT * FROM instances")
         return agreement.agreement_summary(requests, tokens, instances, spans)
 
 
-def _as_source(x: Any) -> Source:
+def _as_source(x: Any, like: Source) -> Source:
+    """``x`` as a source; a run is opened on the engine of ``like``."""
     if isinstance(x, RunAnalysis):
         return x.source
     if isinstance(x, Source):
         return x
     if hasattr(x, "files") and hasattr(x, "table"):
-        return Source.of_run(x)
+        return Source.of_run(x, engine=like.engine.name)
     raise ValueError(f"baseline must be a RunAnalysis, a Run or a Source, got {type(x).__name__}")

@@ -22,6 +22,7 @@ import math
 
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
 from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, token_times
 from tokentrace.schema import col
@@ -38,7 +39,10 @@ def token_coverage(src: Source) -> str:
     stage_ns (sum of clipped spans), covered_ns (union of clipped spans)."""
     def build() -> str:
         c = col
-        src.con.execute(f"""
+        derived = facts.view(src, "token_stage_ns")  # the run's derived facts hold these columns (analyzers.facts)
+        if derived is not None:
+            return derived
+        src.execute(f"""
             CREATE OR REPLACE TEMP TABLE token_coverage AS
             WITH clipped AS (
                 SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX},

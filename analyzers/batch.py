@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
 from analyzers.timing import LATENCY, token_steps, token_times
 from tokentrace.schema import col
 
-__all__ = ["batch_profile", "interference", "TAIL_FRACTION"]
+__all__ = ["batch_profile", "interference", "decode_token_steps", "decode_token_steps_sql", "TAIL_FRACTION"]
 
 TAIL_FRACTION = 0.01
 _BIN = "CAST(CEIL(LOG2(GREATEST({n}, 1)) - 1e-9) AS INTEGER)"  # ceil(log2 n): 1->0, 2->1, 3,4->2, 5..8->3
@@ -30,11 +31,30 @@ def _bin(expr: str) -> str:
     return _BIN.format(n=expr)
 
 
+def decode_token_steps_sql(src: Source) -> str:
+    """SELECT of every delivered token i >= 1 with the engine step that produced it: lat (its ITL, ns), step_ns
+    (the step's length), seqs (the step's batch size), other_prefill (prefill tokens in the step)."""
+    c = col
+    tt, ts = token_times(src), token_steps(src)
+    return f"""
+        SELECT t.{LATENCY} AS lat, s.{c.END_NS} - s.{c.START_NS} AS step_ns, s.{c.NUM_SEQS} AS seqs,
+               s.{c.NUM_PREFILL_TOKENS} AS other_prefill
+        FROM {tt} t JOIN {ts} x ON t.{c.REQUEST_ID} = x.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = x.{c.TOKEN_INDEX}
+        JOIN steps s ON x.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND x.{c.STEP} = s.{c.STEP}
+        WHERE t.{c.TOKEN_INDEX} > 0
+    """
+
+
+def decode_token_steps(src: Source) -> str:
+    """A relation of :func:`decode_token_steps_sql`'s rows: the run's derived fact of that name when it has a
+    current one (:mod:`analyzers.facts`), else the query itself."""
+    return facts.view(src, "decode_token_steps") or f"({decode_token_steps_sql(src)})"
+
+
 def batch_profile(src: Source) -> pd.DataFrame:
     """Per batch-size bin: batch_size_lo, batch_size_hi, num_steps, mean_step_ms, p99_step_ms,
     num_tokens, mean_itl_ms, p99_itl_ms (NaN ITL columns where the bin produced no decode token)."""
     c = col
-    tt, ts = token_times(src), token_steps(src)
     steps = src.df(f"""
         SELECT {_bin(c.NUM_SEQS)} AS k, COUNT(*) AS num_steps,
                AVG({c.END_NS} - {c.START_NS}) / 1e6 AS mean_step_ms,
@@ -42,11 +62,9 @@ def batch_profile(src: Source) -> pd.DataFrame:
         FROM steps GROUP BY k
     """)
     toks = src.df(f"""
-        SELECT {_bin('s.' + c.NUM_SEQS)} AS k, COUNT(*) AS num_tokens, AVG(t.{LATENCY}) / 1e6 AS mean_itl_ms,
-               quantile_cont(t.{LATENCY}, 0.99) / 1e6 AS p99_itl_ms
-        FROM {tt} t JOIN {ts} x ON t.{c.REQUEST_ID} = x.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = x.{c.TOKEN_INDEX}
-        JOIN steps s ON x.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND x.{c.STEP} = s.{c.STEP}
-        WHERE t.{c.TOKEN_INDEX} > 0 GROUP BY k
+        SELECT {_bin('seqs')} AS k, COUNT(*) AS num_tokens, AVG(lat) / 1e6 AS mean_itl_ms,
+               quantile_cont(lat, 0.99) / 1e6 AS p99_itl_ms
+        FROM {decode_token_steps(src)} GROUP BY k
     """)
     df = steps.merge(toks, on="k", how="left").sort_values("k")
     df["num_tokens"] = df["num_tokens"].fillna(0).astype("int64")
@@ -60,31 +78,28 @@ def interference(src: Source, *, tail_fraction: float = TAIL_FRACTION) -> pd.Dat
     mean_other_prefill_tokens, share_with_prefill. Empty when no decode token has a recorded step."""
     if not 0 < tail_fraction <= 1:
         raise ValueError(f"tail_fraction must be in (0, 1], got {tail_fraction!r}")
-    c = col
-    tt, ts = token_times(src), token_steps(src)
-    src.con.execute(f"""
-        CREATE OR REPLACE TEMP TABLE intf_tok AS
-        SELECT t.{LATENCY} AS lat, s.{c.END_NS} - s.{c.START_NS} AS step_ns, s.{c.NUM_SEQS} AS seqs,
-               s.{c.NUM_PREFILL_TOKENS} AS other_prefill
-        FROM {tt} t JOIN {ts} x ON t.{c.REQUEST_ID} = x.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = x.{c.TOKEN_INDEX}
-        JOIN steps s ON x.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND x.{c.STEP} = s.{c.STEP}
-        WHERE t.{c.TOKEN_INDEX} > 0
-    """)
+    tok = facts.view(src, "decode_token_steps")  # the run's derived fact, read in place
+    if tok is None:  # the join once, not once per group below
+        src.execute(f"CREATE OR REPLACE TEMP TABLE intf_tok AS {decode_token_steps_sql(src)}")
+        tok = "intf_tok"
     agg = """COUNT(*) AS num_tokens, AVG(lat) / 1e6 AS mean_itl_ms, AVG(step_ns) / 1e6 AS mean_step_ms,
              AVG(seqs) AS mean_batch_size, AVG(other_prefill) AS mean_other_prefill_tokens,
              AVG(CASE WHEN other_prefill > 0 THEN 1.0 ELSE 0.0 END) AS share_with_prefill"""
+    # The slowest k = ceil(n * tail_fraction) tokens: ranked among the candidates at or above a quantile that
+    # keeps at least 2k of them, so that not every token is sorted.
+    cut = max(0.0, 1.0 - 2.0 * tail_fraction)
     df = src.df(f"""
-        WITH r AS (SELECT *, ROW_NUMBER() OVER (ORDER BY lat DESC, step_ns DESC) AS rn, COUNT(*) OVER () AS n
-                   FROM intf_tok),
-        q AS (SELECT quantile_cont(lat, 0.45) AS a, quantile_cont(lat, 0.55) AS b,
-                     quantile_cont(lat, 0.5) AS m FROM intf_tok)
+        WITH q AS (SELECT quantile_cont(lat, 0.45) AS a, quantile_cont(lat, 0.55) AS b,
+                          quantile_cont(lat, 0.5) AS m, quantile_disc(lat, {cut}) AS cut, COUNT(*) AS n FROM {tok}),
+        r AS (SELECT k.*, ROW_NUMBER() OVER (ORDER BY lat DESC, step_ns DESC) AS rn, q.n
+              FROM {tok} k, q WHERE k.lat >= q.cut)
         SELECT 'slowest' AS "group", {agg} FROM r WHERE rn <= GREATEST(1, CEIL(n * {tail_fraction}))
         UNION ALL
-        SELECT 'median', {agg} FROM intf_tok, q WHERE lat BETWEEN a AND b
+        SELECT 'median', {agg} FROM {tok} k, q WHERE lat BETWEEN a AND b
         UNION ALL
-        SELECT 'nearest', {agg} FROM (SELECT intf_tok.* FROM intf_tok, q ORDER BY ABS(lat - m) LIMIT 1)
+        SELECT 'nearest', {agg} FROM (SELECT k.* FROM {tok} k, q ORDER BY ABS(lat - m) LIMIT 1)
     """)
-    src.con.execute("DROP TABLE IF EXISTS intf_tok")
+    src.execute("DROP TABLE IF EXISTS intf_tok")
     df = df[df["num_tokens"] > 0]
     if "median" not in set(df["group"]):
         df.loc[df["group"] == "nearest", "group"] = "median"

@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
 from analyzers.timing import TTFT_NS, request_table, run_bounds
 from tokentrace.schema import CacheEventKind, Stage, Tier, col
@@ -142,7 +143,7 @@ def tier_hits(src: Source) -> pd.DataFrame:
 def _duration_s(src: Source) -> float:
     b = run_bounds(src)
     if b is None:
-        lo, hi = src.con.execute(f"SELECT MIN({col.START_NS}), MAX({col.END_NS}) FROM cache_events").fetchone()
+        lo, hi = src.fetchone(f"SELECT MIN({col.START_NS}), MAX({col.END_NS}) FROM cache_events")
         b = (lo, hi) if lo is not None else (0, 0)
     return (b[1] - b[0]) / 1e9
 
@@ -183,6 +184,21 @@ def transfers(src: Source) -> pd.DataFrame:
     return df
 
 
+def _per_request_stage_sql(src: Source, derived: str, lookup: int, load: int, prefill: int, queue: int) -> str:
+    """``hit_value``'s per-request stage times (lookup_ns, load_ns, prefill_ns, queue_ns, measured) from the run's
+    derived per-request stage sums (:mod:`analyzers.facts`): one row per request with spans, as from the spans."""
+    combos, _ = facts.request_stage_layout(src, derived)
+
+    def total(stage: int) -> str:
+        names = [name for st, _, name in combos if st == stage]
+        return " + ".join(f"COALESCE(w.{name}, 0)" for name in names) or "0"
+
+    present = " OR ".join(f"w.{name} IS NOT NULL" for st, _, name in combos if st in (lookup, load, prefill))
+    return (f"SELECT w.{col.REQUEST_ID}, {total(lookup)} AS lookup_ns, {total(load)} AS load_ns, "
+            f"{total(prefill)} AS prefill_ns, {total(queue)} AS queue_ns, ({present or 'false'}) AS measured "
+            f"FROM {derived} w")
+
+
 def hit_value(src: Source) -> pd.DataFrame:
     """Rows ``hit`` and ``miss`` (module doc): num_requests, num_measured, mean_prompt_tokens, mean_cached_tokens,
     lookup_ms, load_ms, prefill_ms (means per measured request), ms_per_prompt_token, saved_ms_per_hit (hit
@@ -190,15 +206,17 @@ def hit_value(src: Source) -> pd.DataFrame:
     c = col
     lookup, load, prefill = (int(s) for s in _HIT_STAGES)
     queue = int(Stage.SCHEDULE_QUEUE)
-    df = src.df(f"""
-        WITH per AS (
+    derived = facts.view(src, "request_stage_ns")
+    per_sql = _per_request_stage_sql(src, derived, lookup, load, prefill, queue) if derived is not None else f"""
             SELECT {c.REQUEST_ID},
                    SUM(CASE WHEN {c.STAGE} = {lookup} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS lookup_ns,
                    SUM(CASE WHEN {c.STAGE} = {load} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS load_ns,
                    SUM(CASE WHEN {c.STAGE} = {prefill} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS prefill_ns,
                    SUM(CASE WHEN {c.STAGE} = {queue} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS queue_ns,
                    BOOL_OR({c.STAGE} IN ({lookup}, {load}, {prefill})) AS measured
-            FROM srv_spans GROUP BY {c.REQUEST_ID}
+            FROM srv_spans GROUP BY {c.REQUEST_ID}"""
+    df = src.df(f"""
+        WITH per AS ({per_sql}
         ), r AS (
             SELECT CASE WHEN COALESCE(f.{c.NUM_CACHED_TOKENS}, 0) > 0 THEN 'hit' ELSE 'miss' END AS "group",
                    f.{c.NUM_PROMPT_TOKENS} AS prompt, COALESCE(f.{c.NUM_CACHED_TOKENS}, 0) AS cached,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
 from analyzers.timing import E2E_NS, TPOT_NS, TTFT_NS, request_table
 from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
@@ -47,17 +48,13 @@ def critical_path(src: Source) -> pd.DataFrame:
     req = src.df(f"SELECT {c.REQUEST_ID}, {TTFT_NS} FROM {rf} WHERE {TTFT_NS} IS NOT NULL ORDER BY {c.REQUEST_ID}")
     if req.empty:
         return pd.DataFrame(columns=_CP_COLUMNS)
-    per = src.df(f"""
-        SELECT s.{c.REQUEST_ID}, s.{c.STAGE} AS stage, SUM(s.{c.END_NS} - s.{c.START_NS})::DOUBLE AS ns,
-               (MIN(s.{c.START_NS}) - MIN(f.{c.ARRIVAL_NS}))::DOUBLE AS offset_ns
-        FROM srv_spans s JOIN {rf} f USING ({c.REQUEST_ID})
-        WHERE s.{c.TOKEN_INDEX} = 0 AND f.{TTFT_NS} IS NOT NULL
-        GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}
-    """)
     ttft = req[TTFT_NS].to_numpy(float)
+    picked = {group: req[c.REQUEST_ID].to_numpy()[_pick(ttft, lo, hi)]
+              for group, (lo, hi) in CRITICAL_PATH_GROUPS.items()}
+    per = _first_token_stages(src, rf, np.unique(np.concatenate(list(picked.values()))))
     rows = []
-    for group, (lo, hi) in CRITICAL_PATH_GROUPS.items():
-        ids = req[c.REQUEST_ID].to_numpy()[_pick(ttft, lo, hi)]
+    for group in CRITICAL_PATH_GROUPS:
+        ids = picked[group]
         sel = per[per[c.REQUEST_ID].isin(ids)]
         total = float(ttft[np.isin(req[c.REQUEST_ID].to_numpy(), ids)].sum())
         agg = sel.groupby("stage").agg(ns=("ns", "sum"), offset=("offset_ns", "mean")).sort_values("offset")
@@ -70,6 +67,63 @@ def critical_path(src: Source) -> pd.DataFrame:
                          "share_of_ttft": ns / total if total > 0 else np.nan,
                          "mean_start_offset_ms": offset / 1e6})
     return pd.DataFrame(rows, columns=_CP_COLUMNS)
+
+
+def _first_token_stages(src: Source, rf: str, ids: np.ndarray) -> pd.DataFrame:
+    """Per request of ``ids`` (with a TTFT) and stage of its token-0 spans: request_id, stage, ns (their time
+    summed), offset_ns (the first one's start minus the request's arrival). Only the picked requests' spans
+    are read; from the run's derived per-request stage sums when it has them (:mod:`analyzers.facts`)."""
+    c = col
+    src.register("cp_ids", pd.DataFrame({c.REQUEST_ID: ids.astype(np.int64)}))
+    try:
+        derived = facts.view(src, "request_stage_ns")
+        if derived is None:
+            return src.df(f"""
+                SELECT s.{c.REQUEST_ID}, s.{c.STAGE} AS stage, SUM(s.{c.END_NS} - s.{c.START_NS})::DOUBLE AS ns,
+                       (MIN(s.{c.START_NS}) - MIN(f.{c.ARRIVAL_NS}))::DOUBLE AS offset_ns
+                FROM srv_spans s JOIN {rf} f USING ({c.REQUEST_ID})
+                WHERE s.{c.TOKEN_INDEX} = 0 AND f.{TTFT_NS} IS NOT NULL
+                  AND s.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM cp_ids)
+                GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}
+            """)
+        _, stages = facts.request_stage_layout(src, derived)
+        if not stages:
+            return pd.DataFrame(columns=[c.REQUEST_ID, "stage", "ns", "offset_ns"])
+        selects = []
+        for stage in stages:
+            ns, start = facts.first_stage_columns(stage)
+            selects.append(f"""
+                SELECT w.{c.REQUEST_ID}, {int(stage)} AS stage, w.{ns}::DOUBLE AS ns,
+                       (w.{start} - f.{c.ARRIVAL_NS})::DOUBLE AS offset_ns
+                FROM {derived} w JOIN {rf} f USING ({c.REQUEST_ID})
+                WHERE w.{ns} IS NOT NULL AND f.{TTFT_NS} IS NOT NULL
+                  AND w.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM cp_ids)""")
+        return src.df(" UNION ALL ".join(selects))
+    finally:
+        src.unregister("cp_ids")
+
+
+def _stage_ms(src: Source) -> pd.DataFrame:
+    """Per request of ``slow_ids`` and stage of its spans: request_id, stage, ms (their whole time summed)."""
+    c = col
+    derived = facts.view(src, "request_stage_ns")
+    if derived is None:
+        return src.df(f"""
+            SELECT {c.REQUEST_ID}, {c.STAGE} AS stage, SUM({c.END_NS} - {c.START_NS}) / 1e6 AS ms
+            FROM srv_spans WHERE {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids)
+            GROUP BY {c.REQUEST_ID}, {c.STAGE}
+        """)
+    combos, _ = facts.request_stage_layout(src, derived)
+    selects = []
+    for stage in sorted({st for st, _, _ in combos}):
+        names = [name for st, _, name in combos if st == stage]
+        total = " + ".join(f"COALESCE(w.{name}, 0)" for name in names)
+        present = " OR ".join(f"w.{name} IS NOT NULL" for name in names)
+        selects.append(f"SELECT w.{c.REQUEST_ID}, {int(stage)} AS stage, ({total}) / 1e6 AS ms FROM {derived} w "
+                       f"WHERE ({present}) AND w.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids)")
+    if not selects:
+        return pd.DataFrame(columns=[c.REQUEST_ID, "stage", "ms"])
+    return src.df(" UNION ALL ".join(selects))
 
 
 def slowest_requests(src: Source, n: int = 10) -> pd.DataFrame:
@@ -93,13 +147,9 @@ def slowest_requests(src: Source, n: int = 10) -> pd.DataFrame:
     for label in labels:
         top[label] = 0.0
     if not top.empty:
-        src.con.register("slow_ids", top[[c.REQUEST_ID]])
-        per = src.df(f"""
-            SELECT {c.REQUEST_ID}, {c.STAGE} AS stage, SUM({c.END_NS} - {c.START_NS}) / 1e6 AS ms
-            FROM srv_spans WHERE {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids)
-            GROUP BY {c.REQUEST_ID}, {c.STAGE}
-        """)
-        src.con.unregister("slow_ids")
+        src.register("slow_ids", top[[c.REQUEST_ID]])
+        per = _stage_ms(src)
+        src.unregister("slow_ids")
         if len(per):
             wide = per.pivot_table(index=c.REQUEST_ID, columns="stage", values="ms", aggfunc="sum")
             wide.columns = [Stage(int(s)).label for s in wide.columns]

@@ -17,12 +17,14 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from analyzers import facts
 from analyzers.groups import PERCENTILES, group_column, group_sql, pct_name, percentile_or_nan
 from analyzers.source import Source
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
 from tokentrace.schema import col
 
-__all__ = ["PERCENTILES", "METRICS", "latency", "latency_summary", "summarize"]
+__all__ = ["PERCENTILES", "METRICS", "latency", "latency_summary", "summarize", "itl_samples_sql",
+           "token_groups_sql"]
 
 METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e")
 
@@ -47,8 +49,7 @@ def latency(src: Source, *, by: str | None = None, window_s: float | None = None
         s AS (
             SELECT grp, 'ttft' AS metric, {TTFT_NS} / 1e6 AS v FROM f
             UNION ALL SELECT grp, 'tpot', {TPOT_NS} / 1e6 FROM f WHERE {TPOT_NS} IS NOT NULL
-            UNION ALL SELECT f.grp, 'itl', t.{LATENCY} / 1e6 FROM {tt} t JOIN f USING ({c.REQUEST_ID})
-                      WHERE t.{c.TOKEN_INDEX} > 0
+            UNION ALL {itl_samples_sql(src, tt, g)}
             UNION ALL SELECT grp, 'e2e', {E2E_NS} / 1e6 FROM f
         )
         SELECT grp, metric, COUNT(*) AS count, AVG(v) AS mean_ms, quantile_cont(v, [{qs}]) AS q
@@ -70,6 +71,33 @@ def latency(src: Source, *, by: str | None = None, window_s: float | None = None
                 row.update({pct_name(p): float("nan") for p in percentiles})
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def itl_samples_sql(src: Source, tt: str, group: str) -> str:
+    """SELECT of (grp, 'itl', ms) for every token i >= 1 of ``tt`` (token times), its request's group from the
+    request facts ``f`` (with their ``grp``; ``group`` is its expression over them). Without a grouping
+    (``group`` is ``"0"``) the tokens are not joined to ``f``: every token of the token times belongs to a
+    request with a first token (the facts' first token time is their earliest delivery), so the join would keep
+    every row. With the run's derived ``token_groups`` (each token with its request's grouping columns,
+    :func:`token_groups_sql`) the group is read there instead of joined."""
+    c = col
+    if group == "0":
+        return f"SELECT 0 AS grp, 'itl', {LATENCY} / 1e6 FROM {tt} WHERE {c.TOKEN_INDEX} > 0"
+    derived = facts.view(src, "token_groups")
+    if derived is not None:
+        return f"SELECT {group} AS grp, 'itl', f.{LATENCY} / 1e6 FROM {derived} f WHERE f.{c.TOKEN_INDEX} > 0"
+    return (f"SELECT f.grp, 'itl', t.{LATENCY} / 1e6 FROM {tt} t JOIN f USING ({c.REQUEST_ID}) "
+            f"WHERE t.{c.TOKEN_INDEX} > 0")
+
+
+def token_groups_sql(src: Source) -> str:
+    """SELECT of every delivered token of a request with a first token: request_id, token_index, latency_ns and
+    the request's columns a grouping reads (arrival_ns, tenant_name, slo_class_name, instance_id)."""
+    c = col
+    groups = ", ".join(f"f.{name}" for name in (c.ARRIVAL_NS, c.TENANT, c.SLO_CLASS, c.INSTANCE_ID))
+    return (f"SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY}, {groups} "
+            f"FROM {token_times(src)} t JOIN {request_table(src)} f USING ({c.REQUEST_ID}) "
+            f"WHERE f.{c.FIRST_TOKEN_NS} IS NOT NULL")
 
 
 def summarize(samples: dict[str, np.ndarray], percentiles: tuple[float, ...] = PERCENTILES) -> pd.DataFrame:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
 from analyzers.stats import spearman
 from analyzers.timing import LAST_TOKEN, request_table
@@ -86,10 +87,11 @@ def arrival_window(src: Source) -> tuple[int, int, int] | None:
     """(first arrival, last arrival, number of arrivals), ns on the reference clock; None without arrivals."""
     # Each request's arrival as in the per-request facts (its earliest server-side row), without building
     # them all when they are not there yet.
-    arrivals = (request_table(src) if src.is_cached("request_facts") else
+    have_facts = src.is_cached("request_facts") or facts.derived_file(src, "request_facts") is not None
+    arrivals = (request_table(src) if have_facts else
                 f"(SELECT MIN({col.ARRIVAL_NS}) AS {col.ARRIVAL_NS} FROM srv_requests GROUP BY {col.REQUEST_ID})")
-    row = src.con.execute(f"SELECT MIN({col.ARRIVAL_NS}), MAX({col.ARRIVAL_NS}), COUNT({col.ARRIVAL_NS}) "
-                          f"FROM {arrivals}").fetchone()
+    row = src.fetchone(f"SELECT MIN({col.ARRIVAL_NS}), MAX({col.ARRIVAL_NS}), COUNT({col.ARRIVAL_NS}) "
+                       f"FROM {arrivals}")
     if row is None or row[0] is None:
         return None
     return int(row[0]), int(row[1]), int(row[2])
@@ -179,7 +181,8 @@ def stage_growth(src: Source, window: tuple[int, int]) -> pd.DataFrame:
         SELECT {c.REQUEST_ID}, CASE WHEN {c.ARRIVAL_NS} < {early_end} THEN 'early'
                                     WHEN {c.ARRIVAL_NS} >= {late_start} THEN 'late' END AS part
         FROM {request_table(src)} WHERE {c.ARRIVAL_NS} IS NOT NULL"""
-    df = src.df(f"""
+    derived = facts.view(src, "request_stage_ns")
+    df = _stage_part_ms(src, req, derived) if derived is not None else src.df(f"""
         WITH req AS ({req}),
         counted AS (
             SELECT part, COUNT(*) AS n FROM req
@@ -204,6 +207,19 @@ def stage_growth(src: Source, window: tuple[int, int]) -> pd.DataFrame:
     wide = wide.sort_values(["growth_ms", "stage"], ascending=[False, True], kind="stable").reset_index(drop=True)
     wide.columns.name = None
     return wide[STAGE_COLUMNS]
+
+
+def _stage_part_ms(src: Source, req: str, derived: str) -> pd.DataFrame:
+    """The rows of :func:`stage_growth`'s query (stage, role_id, part, ms) from the run's derived per-request
+    stage sums (:mod:`analyzers.facts`): the same span times, summed per request first."""
+    c = col
+    combos, _ = facts.request_stage_layout(src, derived)
+    sums = "".join(f", SUM(w.{name})::DOUBLE / COUNT(*) / 1e6 AS ms_{i}" for i, (_, _, name) in enumerate(combos))
+    wide = src.df(f"SELECT r.part{sums} FROM ({req}) r JOIN {derived} w USING ({c.REQUEST_ID}) "
+                  f"WHERE r.part IS NOT NULL GROUP BY r.part")
+    rows = [{c.STAGE: stage, "role_id": role, "part": r["part"], "ms": r[f"ms_{i}"]}
+            for r in wide.to_dict("records") for i, (stage, role, _) in enumerate(combos) if pd.notna(r[f"ms_{i}"])]
+    return pd.DataFrame(rows, columns=[c.STAGE, "role_id", "part", "ms"])
 
 
 def _time_in_system_trend(req: pd.DataFrame, window: tuple[int, int]) -> tuple[float, float, float]:

@@ -70,7 +70,7 @@ class PdRatio:
 def _duration_s(src: Source) -> float:
     b = run_bounds(src)
     if b is None:
-        lo, hi = src.con.execute(f"SELECT MIN({col.START_NS}), MAX({col.END_NS}) FROM steps").fetchone()
+        lo, hi = src.fetchone(f"SELECT MIN({col.START_NS}), MAX({col.END_NS}) FROM steps")
         b = (lo, hi) if lo is not None else (0, 0)
     return (b[1] - b[0]) / 1e9
 

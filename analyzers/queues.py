@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from analyzers import facts
 from analyzers.groups import ALL, PERCENTILES, pct_name
 from analyzers.source import Source
 from analyzers.timing import request_table, run_start
@@ -70,14 +71,12 @@ def queueing_delay(src: Source) -> pd.DataFrame:
     c = col
     qs = ", ".join(str(p / 100) for p in PERCENTILES)
     # Every server-side request and its class, as in the per-request facts; without building them all.
-    classes = (request_table(src) if src.is_cached("request_facts") else
+    have_facts = src.is_cached("request_facts") or facts.derived_file(src, "request_facts") is not None
+    classes = (request_table(src) if have_facts else
                f"(SELECT {c.REQUEST_ID}, COALESCE(MAX({c.SLO_CLASS}), '') AS {c.SLO_CLASS} FROM srv_requests "
                f"GROUP BY {c.REQUEST_ID})")
     df = src.df(f"""
-        WITH q AS (
-            SELECT {c.REQUEST_ID}, SUM({c.END_NS} - {c.START_NS}) AS ns FROM srv_spans
-            WHERE {c.STAGE} = {int(Stage.SCHEDULE_QUEUE)} GROUP BY {c.REQUEST_ID}
-        ), r AS (
+        WITH q AS ({_queue_ns_sql(src)}), r AS (
             SELECT f.{c.SLO_CLASS} AS cls, COALESCE(q.ns, 0) / 1e6 AS ms
             FROM {classes} f LEFT JOIN q USING ({c.REQUEST_ID})
         )
@@ -96,6 +95,23 @@ def queueing_delay(src: Source) -> pd.DataFrame:
                      **{pct_name(p): math.nan for p in PERCENTILES}})
     cols = [c.SLO_CLASS, "count", "mean_ms"] + [pct_name(p) for p in PERCENTILES] + ["max_ms"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def _queue_ns_sql(src: Source) -> str:
+    """SELECT of (request_id, ns): each request's schedule.queue spans summed, for requests that have one; from
+    the run's derived per-request stage sums when it has them (:mod:`analyzers.facts`)."""
+    c = col
+    queue = int(Stage.SCHEDULE_QUEUE)
+    derived = facts.view(src, "request_stage_ns")
+    if derived is None:
+        return (f"SELECT {c.REQUEST_ID}, SUM({c.END_NS} - {c.START_NS}) AS ns FROM srv_spans "
+                f"WHERE {c.STAGE} = {queue} GROUP BY {c.REQUEST_ID}")
+    names = [name for stage, _, name in facts.request_stage_layout(src, derived)[0] if stage == queue]
+    if not names:
+        return f"SELECT {c.REQUEST_ID}, 0 AS ns FROM {derived} WHERE false"
+    total = " + ".join(f"COALESCE({name}, 0)" for name in names)
+    present = " OR ".join(f"{name} IS NOT NULL" for name in names)
+    return f"SELECT {c.REQUEST_ID}, {total} AS ns FROM {derived} WHERE {present}"
 
 
 def littles_law(src: Source) -> pd.DataFrame:

@@ -33,13 +33,14 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from analyzers import facts
 from analyzers.groups import ALL
 from analyzers.source import Source
 from analyzers.timing import TOKEN_END, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
 from tokentrace.schema import RequestStatus, col
 
 __all__ = ["SloTargets", "DEFAULT_TARGETS", "resolve_targets", "request_slo", "slo_attainment", "goodput",
-           "fluidity", "request_fluidity", "DEFAULT_TARGET_SHARE"]
+           "fluidity", "request_fluidity", "DEFAULT_TARGET_SHARE", "reported_tokens_sql"]
 
 DEFAULT_TARGET_SHARE = 0.9  # DistServe's usual attainment goal
 
@@ -114,15 +115,34 @@ def request_slo(src: Source, targets: Mapping[str, SloTargets] | None = None) ->
 
     Computed once per source and targets (attainment and goodput both judge every request); each call
     returns its own copy."""
+    return _verdicts(src, targets)[0].copy()
+
+
+_VERDICT_OF_CODE = np.array([None, False, True], dtype=object)
+"""Verdict object of a verdict code + 1 (codes: -1 not measured, 0 missed, 1 met)."""
+
+
+def _verdicts(src: Source, targets: Mapping[str, SloTargets] | None
+              ) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+    """:func:`request_slo`'s rows (cached once per source and targets) and, per verdict column, its verdicts as
+    int8 codes (-1 not measured, 0 missed, 1 met) aligned with the rows, for counting without object compares."""
     key = "request_slo:" + repr(sorted((targets or {}).items()))
-    return src.cached(key, lambda: _request_slo(src, targets)).copy()
+    return src.cached(key, lambda: _request_slo(src, targets))
 
 
-def _request_slo(src: Source, targets: Mapping[str, SloTargets] | None) -> pd.DataFrame:
+def reported_tokens_sql() -> str:
+    """SELECT of (request_id, reported): the most output tokens any server row of the request reported (the
+    derived fact ``request_reported_tokens`` holds the same rows)."""
     c = col
+    return f"SELECT {c.REQUEST_ID}, MAX({c.NUM_OUTPUT_TOKENS}) AS reported FROM srv_requests GROUP BY {c.REQUEST_ID}"
+
+
+def _request_slo(src: Source, targets: Mapping[str, SloTargets] | None
+                 ) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+    c = col
+    reported = facts.view(src, "request_reported_tokens") or f"({reported_tokens_sql()})"
     f = src.df(f"""
-        WITH reported AS (SELECT {c.REQUEST_ID}, MAX({c.NUM_OUTPUT_TOKENS}) AS reported FROM srv_requests
-                          GROUP BY {c.REQUEST_ID})
+        WITH reported AS (SELECT * FROM {reported})
         SELECT f.{c.REQUEST_ID}, f.{c.SLO_CLASS}, f.{c.ARRIVAL_NS}, f.{TTFT_NS} / 1e6 AS ttft_ms,
                f.{TPOT_NS} / 1e6 AS tpot_ms, COALESCE(f.{c.STATUS}, {int(RequestStatus.OK)}) AS status,
                GREATEST(COALESCE(r.reported, 0), f.{c.NUM_OUTPUT_TOKENS}) AS num_tokens
@@ -134,23 +154,22 @@ def _request_slo(src: Source, targets: Mapping[str, SloTargets] | None) -> pd.Da
     ttft_t = classes.map({k: t.ttft_ms for k, t in tg.items()}).astype(float)
     tpot_t = classes.map({k: t.tpot_ms for k, t in tg.items()}).astype(float)
     failed = (f["status"] != int(RequestStatus.OK)).to_numpy()
-    ttft_ok = np.where(failed, False, np.where(f["ttft_ms"].isna(), None, f["ttft_ms"] <= ttft_t))
+    ttft_ok = np.where(failed, 0, np.where(f["ttft_ms"].isna(), -1, f["ttft_ms"] <= ttft_t)).astype(np.int8)
     one_token = (f["num_tokens"] <= 1).to_numpy()
-    tpot_ok = np.where(failed, False, np.where(one_token, True,
-                                               np.where(f["tpot_ms"].isna(), None, f["tpot_ms"] <= tpot_t)))
+    tpot_ok = np.where(failed, 0, np.where(one_token, 1, np.where(f["tpot_ms"].isna(), -1, f["tpot_ms"] <= tpot_t))
+                       ).astype(np.int8)
+    codes = {"ttft_ok": ttft_ok, "tpot_ok": tpot_ok, "ok": _both_all(ttft_ok, tpot_ok)}
     f["failed"] = failed
-    f["ttft_ok"] = pd.Series(ttft_ok, index=f.index, dtype=object)
-    f["tpot_ok"] = pd.Series(tpot_ok, index=f.index, dtype=object)
-    f["ok"] = pd.Series(_both_all(ttft_ok, tpot_ok), index=f.index, dtype=object)
-    return f.drop(columns=["status", "num_tokens"])
+    for name, code in codes.items():
+        f[name] = pd.Series(_VERDICT_OF_CODE[code + 1], index=f.index, dtype=object)
+    return f.drop(columns=["status", "num_tokens"]), codes
 
 
 def _both_all(ttft_ok: np.ndarray, tpot_ok: np.ndarray) -> np.ndarray:
-    """:func:`_both` of every pair of verdicts (object arrays of True, False, None), without a Python loop."""
-    a, b = np.asarray(ttft_ok, dtype=object), np.asarray(tpot_ok, dtype=object)
-    missed = (a == False) | (b == False)  # noqa: E712 - elementwise over True, False and None
-    unknown = pd.isna(a) | pd.isna(b)
-    return np.where(missed, False, np.where(unknown, None, True)).astype(object)
+    """:func:`_both` of every pair of verdict codes (-1 not measured, 0 missed, 1 met), without a Python loop."""
+    missed = (ttft_ok == 0) | (tpot_ok == 0)
+    unknown = (ttft_ok == -1) | (tpot_ok == -1)
+    return np.where(missed, 0, np.where(unknown, -1, 1)).astype(np.int8)
 
 
 def _both(ttft_ok: object, tpot_ok: object) -> object:
@@ -162,17 +181,23 @@ def _both(ttft_ok: object, tpot_ok: object) -> object:
     return True
 
 
-def _judge(g: pd.DataFrame, column: str) -> tuple[int, float]:
-    """(served requests with ``column`` measured, share met among judged requests; NaN if not measured)."""
-    verdict = g[column]
-    served = ~g["failed"].astype(bool)
-    measured = int((served & verdict.notna()).sum())
+def _judge(code: np.ndarray, failed: np.ndarray) -> tuple[int, float]:
+    """(served requests with a verdict measured, share met among judged requests; NaN if not measured), from the
+    verdict codes of a group's requests (-1 not measured, 0 missed, 1 met) and whether each failed."""
+    served = ~failed.astype(bool)
+    judged = code >= 0
+    measured = int((served & judged).sum())
     if served.any() and measured == 0:
         return 0, math.nan
-    judged = verdict.notna()
     if not judged.any():
         return measured, math.nan
-    return measured, float((verdict[judged] == True).mean())  # noqa: E712 - object column of True/False
+    return measured, float((code[judged] == 1).mean())
+
+
+def _class_rows(f: pd.DataFrame) -> list[tuple[str, np.ndarray]]:
+    """(class, positions of its rows) for every class, then (ALL, every position), as :func:`_class_frames`."""
+    groups = f.groupby(col.SLO_CLASS, sort=True).indices
+    return [(k, groups[k]) for k in sorted(groups)] + [(ALL, np.arange(len(f)))]
 
 
 def _class_frames(f: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -188,17 +213,18 @@ def slo_attainment(src: Source, *, targets: Mapping[str, SloTargets] | None = No
     rejected), num_ttft_measured, num_tpot_measured (served requests with a
     verdict), ttft_attainment, tpot_attainment, attainment (NaN: not measured).
     """
-    f = request_slo(src, targets)
+    f, codes = _verdicts(src, targets)
     tg = resolve_targets(src, sorted(f[col.SLO_CLASS].unique().tolist()), targets)
+    failed = f["failed"].to_numpy(bool)
     rows = []
-    for name, g in _class_frames(f):
+    for name, at in _class_rows(f):
         t = tg.get(name)
-        n_ttft, ttft = _judge(g, "ttft_ok")
-        n_tpot, tpot = _judge(g, "tpot_ok")
-        _, both = _judge(g, "ok")
+        n_ttft, ttft = _judge(codes["ttft_ok"][at], failed[at])
+        n_tpot, tpot = _judge(codes["tpot_ok"][at], failed[at])
+        _, both = _judge(codes["ok"][at], failed[at])
         rows.append({col.SLO_CLASS: name, "ttft_target_ms": t.ttft_ms if t else math.nan,
-                     "tpot_target_ms": t.tpot_ms if t else math.nan, "num_requests": len(g),
-                     "num_failed": int(g["failed"].sum()), "num_ttft_measured": n_ttft, "num_tpot_measured": n_tpot,
+                     "tpot_target_ms": t.tpot_ms if t else math.nan, "num_requests": len(at),
+                     "num_failed": int(failed[at].sum()), "num_ttft_measured": n_ttft, "num_tpot_measured": n_tpot,
                      "ttft_attainment": ttft, "tpot_attainment": tpot, "attainment": both})
     return pd.DataFrame(rows)
 
@@ -224,20 +250,22 @@ def goodput(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
     """
     if not 0 < target_share <= 1:
         raise ValueError(f"target_share must be in (0, 1], got {target_share!r}")
-    f = request_slo(src, targets)
+    f, codes = _verdicts(src, targets)
+    failed, ok, arrival = f["failed"].to_numpy(bool), codes["ok"], f[col.ARRIVAL_NS].to_numpy()
     bounds = run_bounds(src)
     duration_ns = (bounds[1] - bounds[0]) if bounds else 0
     if window_s is not None and not (math.isfinite(window_s) and window_s > 0):
         raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
     window_ns = int(window_s * 1e9) if window_s else max(1, duration_ns // 10)
     rows = []
-    for name, g in _class_frames(f):
-        n = len(g)
-        _, attain = _judge(g, "ok")
+    for name, at in _class_rows(f):
+        n = len(at)
+        _, attain = _judge(ok[at], failed[at])
         measured = not math.isnan(attain)
-        good = int((g["ok"] == True).sum()) if measured else None  # noqa: E712 - object column
+        good = int((ok[at] == 1).sum()) if measured else None
         dur_s = duration_ns / 1e9
-        judged = g[g["ok"].notna()]
+        sel = at[ok[at] >= 0]
+        judged = pd.DataFrame({col.ARRIVAL_NS: arrival[sel], "ok": ok[sel] == 1})
         rows.append({col.SLO_CLASS: name, "duration_s": dur_s, "num_requests": n, "num_good": good,
                      "request_rate_rps": n / dur_s if dur_s > 0 else math.nan,
                      "goodput_rps": good / dur_s if measured and dur_s > 0 else math.nan,

@@ -1,15 +1,16 @@
-"""The input of every analyzer: a run's tables as clock-aligned DuckDB views.
+"""The input of every analyzer: a run's tables as clock-aligned views of one SQL engine.
 
-A :class:`Source` owns a private DuckDB connection holding one view per store
+A :class:`Source` owns an engine (:mod:`analyzers.engine`: a private DuckDB
+connection by default, or Spark) holding one view per store
 table (``requests``, ``spans``, ``tokens``, ``steps``, ``cache_events``,
 ``instances``), every time column already shifted onto the run's reference
 clock (``t_ref = t_local + clock_offset_ns``, see :mod:`tokentrace.clock.alignment`).
 Two more views hold the server's side only (client-role rows removed):
 ``srv_requests`` and ``srv_tokens``; ``srv_spans`` likewise.
 
-* :meth:`Source.of_run` reads the run's Parquet files through DuckDB's
-  ``read_parquet``: nothing is loaded until a query runs, and aggregations
-  stream over stores bigger than memory. Unreadable files are skipped (the
+* :meth:`Source.of_run` reads the run's Parquet files through the engine
+  (DuckDB's ``read_parquet``, Spark's ``spark.read.parquet``): nothing is loaded
+  until a query runs, and aggregations stream over stores bigger than memory. Unreadable files are skipped (the
   store reader warns about them); files of older schema versions read with
   their missing columns as nulls.
 * :meth:`Source.of_tables` wraps small in-memory Arrow tables (tests, callers
@@ -19,7 +20,16 @@ A table that is absent reads as an empty view with the full schema, so every
 query runs and analyzers return empty results rather than raising.
 
 Derived per-token and per-request facts (:mod:`analyzers.timing`) are
-materialized once per ``Source`` as temporary tables and cached.
+materialized once per ``Source`` as temporary tables and cached; a run whose
+facts were derived and kept next to it (``<run>/_derived``, current for its part
+files) has them read from there instead (:mod:`analyzers.facts`, looked up once
+by :meth:`Source.of_run`).
+
+The views are described once, in DuckDB SQL (:meth:`Source._build`), and every
+query goes through :meth:`Source.df`, :meth:`Source.scalar`,
+:meth:`Source.fetchone`, :meth:`Source.execute` and :meth:`Source.register`, so
+an analysis written for DuckDB runs unchanged on any engine (Spark translates
+it, :mod:`analyzers.spark_engine`).
 
 Not thread-safe: use one ``Source`` per thread.
 """
@@ -28,10 +38,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import duckdb
 import pandas as pd
 import pyarrow as pa
 
+from analyzers.engine import DuckDBEngine, Engine, ParquetGroup, open_engine
 from tokentrace.clock import OFFSET_COLUMN, RunClocks, aligned_time_sql, latest_instances, time_columns
 from tokentrace.schema import INSTANCES, TABLES, Role, Table, col
 
@@ -44,50 +54,67 @@ _DUCK_TYPES = {pa.int8(): "TINYINT", pa.int32(): "INTEGER", pa.int64(): "BIGINT"
 
 
 class Source:
-    """A run's tables as aligned DuckDB views; build with :meth:`of_run` or :meth:`of_tables`."""
+    """A run's tables as aligned views of an engine; build with :meth:`of_run` or :meth:`of_tables`.
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, *, manifest: Mapping[str, Any] | None = None,
+    ``engine``: an :class:`~analyzers.engine.Engine` (a DuckDB connection is wrapped as one).
+    """
+
+    def __init__(self, engine: Any, *, manifest: Mapping[str, Any] | None = None,
                  present: frozenset[str] = frozenset()) -> None:
-        self.con = con
+        self.engine: Engine = engine if hasattr(engine, "parquet_view") else DuckDBEngine(engine)
         self.manifest: dict[str, Any] = dict(manifest or {})
         self.present = present  # tables with at least one row source
         self._cache: dict[str, Any] = {}
 
     # ------------------------------------------------------------ construction
 
+    @property
+    def con(self) -> Any:
+        """The DuckDB connection of a DuckDB source (``AttributeError`` on another engine): prefer the
+        engine-neutral :meth:`df`, :meth:`fetchone`, :meth:`execute`."""
+        con = getattr(self.engine, "con", None)
+        if con is None:
+            raise AttributeError(f"a source on the {self.engine.name} engine has no DuckDB connection")
+        return con
+
     @classmethod
-    def of_tables(cls, *, manifest: Mapping[str, Any] | None = None, **tables: pa.Table) -> "Source":
+    def of_tables(cls, *, manifest: Mapping[str, Any] | None = None, engine: Any = None,
+                  **tables: pa.Table) -> "Source":
         """A source over in-memory Arrow tables named like the store tables (``spans=...``).
 
+        ``engine``: ``"duckdb"`` (default), ``"spark"`` or an :class:`~analyzers.engine.Engine`.
         ``ValueError`` for a name that is not a store table.
         """
         unknown = [n for n in tables if n not in TABLES]
         if unknown:
             raise ValueError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(TABLES)}")
-        con = duckdb.connect()
+        eng = open_engine(engine)
         raw: dict[str, str] = {}
         for name, t in tables.items():
             if t is None:
                 continue
-            con.register(f"raw_{name}", t)
+            eng.register(f"raw_{name}", t)
             raw[name] = f"raw_{name}"
         instances = tables.get(INSTANCES.name)
-        return cls._build(con, raw, instances, manifest,
+        return cls._build(eng, raw, instances, manifest,
                           frozenset(n for n, t in tables.items() if t is not None and t.num_rows))
 
     @classmethod
-    def of_run(cls, run: Any) -> "Source":
-        """A source streaming over the Parquet files of ``run`` (a ``tokentrace.store.reader.Run``)."""
-        con = duckdb.connect()
+    def of_run(cls, run: Any, *, engine: Any = None) -> "Source":
+        """A source streaming over the Parquet files of ``run`` (a ``tokentrace.store.reader.Run``).
+
+        ``engine``: ``"duckdb"`` (default), ``"spark"`` or an :class:`~analyzers.engine.Engine`.
+        """
+        eng = open_engine(engine)
         raw: dict[str, str] = {}
         present = set()
         for name in TABLES:
             if name == INSTANCES.name:
                 continue
-            select = _parquet_select(con, run.files(name), name)
-            if select is None:
+            groups = _parquet_groups(run.files(name), name)
+            if not groups:
                 continue
-            con.execute(f"CREATE VIEW raw_{name} AS {select}")
+            eng.parquet_view(f"raw_{name}", groups)
             raw[name] = f"raw_{name}"
             present.add(name)
         instances = run.table(INSTANCES.name)
@@ -97,39 +124,86 @@ class Source:
             manifest = run.manifest
         except (OSError, ValueError):
             manifest = {}
-        return cls._build(con, raw, instances, manifest, frozenset(present))
+        from analyzers.facts import attach
+
+        src = cls._build(eng, raw, instances, manifest, frozenset(present))
+        attach(src, run)  # the run's derived facts, when current, stand in for deriving them (analyzers.facts)
+        return src
 
     @classmethod
-    def _build(cls, con: duckdb.DuckDBPyConnection, raw: dict[str, str], instances: pa.Table | None,
+    def of_url(cls, url: str, *, engine: Any = "spark") -> "Source":
+        """A source over the run folder at ``url`` in object storage or HDFS (``s3a://bucket/store/run``),
+        read by an engine that reaches such URLs (Spark: ``"spark"`` or a ``SparkEngine``).
+
+        ``ValueError`` when the engine cannot read URLs (DuckDB here: copy the run, or use ``of_run``).
+        """
+        eng = open_engine(engine)
+        if not hasattr(eng, "run_url_views"):
+            raise ValueError(f"the {eng.name} engine reads local runs only (Source.of_run); "
+                             f"read {url} with engine='spark'")
+        tables = [n for n in TABLES]
+        present, instances, manifest = eng.run_url_views(url, tables)
+        raw = {n: f"raw_{n}" for n in present if n != INSTANCES.name}
+        return cls._build(eng, raw, instances, manifest, present)
+
+    @classmethod
+    def _build(cls, eng: Engine, raw: dict[str, str], instances: pa.Table | None,
                manifest: Mapping[str, Any] | None, present: frozenset[str]) -> "Source":
+        """The views every analysis reads, described once (DuckDB SQL) for every engine."""
         inst = latest_instances(instances) if instances is not None else INSTANCES.schema.empty_table()
-        con.register("instances", inst)
+        eng.register("instances", inst)
         clocks = RunClocks.from_instances(inst)
         clients = client_instance_ids(inst)
-        con.register("clock_offsets", clocks.offsets_table())
+        eng.register("clock_offsets", clocks.offsets_table())
         shifted = clocks.is_shifted
         for name, t in TABLES.items():
             if name == INSTANCES.name:
                 continue
             if name not in raw:
-                con.register(f"raw_{name}", t.schema.empty_table())
+                eng.register(f"raw_{name}", t.schema.empty_table())
                 raw[name] = f"raw_{name}"
-            con.execute(f"CREATE VIEW {name} AS {_aligned_select(con, raw[name], t, shifted)}")
+            eng.execute(f"CREATE VIEW {name} AS {_aligned_select(eng.columns(raw[name]), raw[name], t, shifted)}")
         not_client = f"WHERE {col.INSTANCE_ID} NOT IN ({', '.join(map(str, clients))})" if clients else ""
         for name, view in SERVER_VIEWS.items():
-            con.execute(f"CREATE VIEW {view} AS SELECT * FROM {name} {not_client}")
-        return cls(con, manifest=manifest, present=present)
+            eng.execute(f"CREATE VIEW {view} AS SELECT * FROM {name} {not_client}")
+        return cls(eng, manifest=manifest, present=present)
 
     # ------------------------------------------------------------ queries
 
     def df(self, sql: str, params: list[Any] | None = None) -> pd.DataFrame:
-        """Run ``sql`` on this source's connection and return a pandas DataFrame."""
-        return self.con.execute(sql, params or []).df()
+        """Run the query ``sql`` and return a pandas DataFrame (``params``: DuckDB sources only)."""
+        if params:
+            return self.con.execute(sql, params).df()
+        return self.engine.df(sql)
 
     def scalar(self, sql: str) -> Any:
         """The first column of the first row of ``sql`` (``None`` if no rows)."""
-        row = self.con.execute(sql).fetchone()
+        row = self.engine.fetchone(sql)
         return None if row is None else row[0]
+
+    def fetchone(self, sql: str) -> tuple[Any, ...] | None:
+        """The first row of the query ``sql`` (``None`` if no rows)."""
+        return self.engine.fetchone(sql)
+
+    def arrow(self, sql: str) -> pa.Table:
+        """The result of the query ``sql`` as an Arrow table."""
+        return self.engine.arrow(sql)
+
+    def execute(self, sql: str) -> None:
+        """Run statements (``CREATE [OR REPLACE] TEMP TABLE t AS ...``, ``DROP TABLE ...``), ``;``-separated."""
+        self.engine.execute(sql)
+
+    def register(self, name: str, table: pa.Table | pd.DataFrame) -> None:
+        """Make an in-memory table queryable as ``name``."""
+        self.engine.register(name, table)
+
+    def unregister(self, name: str) -> None:
+        """Forget a table made queryable with :meth:`register`."""
+        self.engine.unregister(name)
+
+    def close(self) -> None:
+        """Release the engine's connection or temporary views; the source is unusable afterwards."""
+        self.engine.close()
 
     def is_cached(self, key: str) -> bool:
         """True when :meth:`cached` has built ``key`` already (an analysis may then reuse it instead of a
@@ -143,12 +217,10 @@ class Source:
         return self._cache[key]
 
 
-def _parquet_select(con: duckdb.DuckDBPyConnection, files: list[Any], name: str) -> str | None:
-    """SELECT over the readable part files of table ``name``, older schema versions' renames undone.
-
-    Files are grouped by schema version; each group's columns are renamed as the
-    reader's migrations say, and the groups are unioned by column name. ``None``
-    when no file is readable (unreadable ones warn through ``part_info``).
+def _parquet_groups(files: list[Any], name: str) -> list[ParquetGroup]:
+    """The readable part files of table ``name`` grouped by schema version, each with the renames that undo
+    that version's older column names (the engine unions the groups by column name). Empty when no file is
+    readable (unreadable ones warn through ``part_info``).
     """
     from tokentrace.store.files import part_info, renames_since
 
@@ -157,23 +229,13 @@ def _parquet_select(con: duckdb.DuckDBPyConnection, files: list[Any], name: str)
         info = part_info(f)
         if info is not None:
             by_version.setdefault(info.schema_version, []).append(f.as_posix())
-    parts = []
-    for version, paths in sorted(by_version.items()):
-        listed = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)  # SQL string literals
-        scan = f"read_parquet([{listed}], union_by_name = true, hive_partitioning = false)"
-        renames = renames_since(version, name)
-        if not renames:
-            parts.append(f"SELECT * FROM {scan}")
-            continue
-        have = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()]
-        cols = ", ".join(f'"{c}" AS "{renames.get(c, c)}"' for c in have)
-        parts.append(f"SELECT {cols} FROM {scan}")
-    return " UNION ALL BY NAME ".join(f"({p})" for p in parts) if parts else None
+    return [(paths, renames_since(version, name)) for version, paths in sorted(by_version.items())]
 
 
-def _aligned_select(con: duckdb.DuckDBPyConnection, raw: str, t: Table, shifted: bool) -> str:
-    """SELECT of every schema column of ``t`` from ``raw`` (missing ones as nulls), times aligned."""
-    have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {raw}").fetchall()}
+def _aligned_select(columns: list[str], raw: str, t: Table, shifted: bool) -> str:
+    """SELECT of every schema column of ``t`` from ``raw`` (which has ``columns``; missing ones as nulls),
+    times aligned."""
+    have = set(columns)
     times = set(time_columns(t.name))
     parts = []
     for c in t.columns:

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from analyzers import facts
 from analyzers.attribution import unattributed_share as signed_unattributed_share
 from analyzers.groups import group_column, group_sql
 from analyzers.source import Source
@@ -54,7 +55,7 @@ def _tokens_sql(src: Source, g: str) -> str:
     columns = f"{c.REQUEST_ID}, {c.TOKEN_INDEX}, {TOKEN_START} AS t0, {TOKEN_END} AS t1, {LATENCY} AS lat"
     if g == "0":
         return f"SELECT {columns}, 0 AS grp, {c.TOKEN_INDEX} = 0 AS first FROM {tt}"
-    src.con.execute(f"""
+    src.execute(f"""
         CREATE OR REPLACE TEMP TABLE bd_tok AS
         SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{TOKEN_START} AS t0, t.{TOKEN_END} AS t1, t.{LATENCY} AS lat,
                {g} AS grp, t.{c.TOKEN_INDEX} = 0 AS first
@@ -72,7 +73,7 @@ def _tail_cuts(src: Source, tokens: str, tail_fraction: float) -> None:
     rank: ranking only the candidates avoids sorting every token."""
     c = col
     q = max(0.0, 1.0 - 2.0 * tail_fraction)
-    src.con.execute(f"""
+    src.execute(f"""
         CREATE OR REPLACE TEMP TABLE bd_cut AS
         WITH tok AS ({tokens}),
         q AS (SELECT grp, first, COUNT(*) AS n, quantile_disc(lat, {q}) AS cut FROM tok GROUP BY grp, first),
@@ -111,7 +112,7 @@ def token_spans(src: Source) -> str:
     """
     def build() -> str:
         c = col
-        src.con.execute(f"""
+        src.execute(f"""
             CREATE OR REPLACE TEMP TABLE token_spans AS
             SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}, s.{c.STAGE},
                    GREATEST(0, LEAST(s.{c.END_NS}, t.{TOKEN_END}) - GREATEST(s.{c.START_NS}, t.{TOKEN_START})) AS ns
@@ -121,20 +122,72 @@ def token_spans(src: Source) -> str:
     return src.cached("token_spans", build)
 
 
-def _stage_sums(src: Source, tokens: str) -> pd.DataFrame:
+def _stage_sums(src: Source, tailed: str, *, grouped: bool) -> pd.DataFrame:
     """Per (group, kind, stage): summed in-interval span time of the delivered tokens and of the tail tokens.
 
-    One pass: each span joined to its token (``tokens`` with its tail flag) and clipped to the token's interval
-    as :func:`token_spans` does, summed straight into the few result rows (no per-span table is written)."""
+    One pass: each span joined to its token (``tailed``: the tokens with their tail flag) and clipped to the
+    token's interval as :func:`token_spans` does, summed straight into the few result rows (no per-span table
+    is written)."""
     c = col
     clipped = f"GREATEST(0, LEAST(s.{c.END_NS}, k.t1) - GREATEST(s.{c.START_NS}, k.t0))"
+    # Only what the sums need crosses the join: without a grouping the group is the constant 0, and whether a
+    # token is the first is known from the span's own token index.
+    grp = "k.grp" if grouped else "0"
+    build = tailed if grouped else f"(SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, t0, t1, tail FROM {tailed})"
     return src.df(f"""
-        SELECT k.grp, k.first, s.{c.STAGE} AS stage,
+        SELECT {grp} AS grp, s.{c.TOKEN_INDEX} = 0 AS first, s.{c.STAGE} AS stage,
                SUM({clipped})::DOUBLE AS ns, COALESCE(SUM({clipped}) FILTER (WHERE k.tail), 0)::DOUBLE AS tail_ns
         FROM srv_spans s
-        JOIN ({_with_tail(tokens)}) k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
+        JOIN {build} k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
         GROUP BY ALL
     """).assign(kind=lambda f: np.where(f["first"].astype(bool), "ttft", "itl"))
+
+
+def token_stage_sql(src: Source, stages: list[int]) -> str:
+    """SELECT of one row per delivered token: request_id, token_index and, per stage id in ``stages``, its
+    spans' time inside the token's interval summed (``stage_<id>_ns``, 0 without such a span): the rows of
+    :func:`token_spans` summed per token and stage, one column per stage."""
+    c = col
+    clipped = f"GREATEST(0, LEAST(s.{c.END_NS}, t.{TOKEN_END}) - GREATEST(s.{c.START_NS}, t.{TOKEN_START}))"
+    sums = ", ".join(f"SUM(CASE WHEN s.{c.STAGE} = {int(st)} THEN {clipped} ELSE 0 END) AS {facts.stage_column(st)}"
+                     for st in stages)
+    return f"""
+        SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}{", " + sums if sums else ""}
+        FROM srv_spans s JOIN {token_times(src)} t USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+        GROUP BY s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}
+    """
+
+
+def _derived_stages(src: Source, derived: str) -> list[int]:
+    """Stage ids with a column in the derived per-token stage sums (stages the run's spans have)."""
+    prefix, suffix = facts.STAGE_COLUMN_PREFIX, "_ns"
+    return [int(name[len(prefix):-len(suffix)]) for name in src.engine.columns(derived)
+            if name.startswith(prefix) and name.endswith(suffix) and name[len(prefix):-len(suffix)].isdigit()]
+
+
+def _derived_tokens_sql(src: Source, g: str, derived: str, stages: list[int]) -> str:
+    """As :func:`_tokens_sql` (without the intervals, which the derived sums no longer need), from the derived
+    per-token stage sums, each token with its stage columns."""
+    c = col
+    stage_cols = "".join(f", w.{facts.stage_column(st)}" for st in stages)
+    columns = f"w.{c.REQUEST_ID}, w.{c.TOKEN_INDEX}, w.{LATENCY} AS lat, {g} AS grp, w.{c.TOKEN_INDEX} = 0 AS first"
+    if g == "0":
+        return f"SELECT {columns}{stage_cols} FROM {derived} w"
+    return f"SELECT {columns}{stage_cols} FROM {derived} w JOIN {request_table(src)} f USING ({c.REQUEST_ID})"
+
+
+def _derived_stage_sums(src: Source, tokens: str, stages: list[int]) -> pd.DataFrame:
+    """:func:`_stage_sums` from the derived per-token stage sums: the same integers summed per (group, kind)."""
+    parts = []
+    for i, st in enumerate(stages):
+        name = f"k.{facts.stage_column(st)}"
+        parts.append(f"SUM({name})::DOUBLE AS ns_{i}, COALESCE(SUM({name}) FILTER (WHERE k.tail), 0)::DOUBLE AS tail_{i}")
+    wide = src.df(f"SELECT k.grp, k.first{''.join(', ' + p for p in parts)} FROM ({_with_tail(tokens)}) k "
+                  f"GROUP BY k.grp, k.first")
+    rows = [{"grp": r["grp"], "first": r["first"], "stage": st, "ns": r[f"ns_{i}"], "tail_ns": r[f"tail_{i}"]}
+            for r in wide.to_dict("records") for i, st in enumerate(stages)]
+    per = pd.DataFrame(rows, columns=["grp", "first", "stage", "ns", "tail_ns"])
+    return per.assign(kind=np.where(per["first"].astype(bool), "ttft", "itl"))
 
 
 def breakdown(src: Source, *, by: str | None = None, window_s: float | None = None,
@@ -152,15 +205,22 @@ def breakdown(src: Source, *, by: str | None = None, window_s: float | None = No
     if window_s is not None:
         b = run_bounds(src)
         start = b[0] if b else 0
-    tokens = _tokens_sql(src, group_sql(by, window_s, alias="f", start_ns=start))
+    g = group_sql(by, window_s, alias="f", start_ns=start)
+    derived = facts.view(src, "token_stage_ns")  # per-token stage sums of the run's derived facts
+    stages = _derived_stages(src, derived) if derived is not None else []
+    tokens = _tokens_sql(src, g) if derived is None else _derived_tokens_sql(src, g, derived, stages)
     _tail_cuts(src, tokens, tail_fraction)
+    tailed = f"({_with_tail(tokens)})"
+    if derived is None:  # the tokens with their tail flag once, for the totals and for the join to the spans
+        src.execute(f"CREATE OR REPLACE TEMP TABLE token_tail AS {_with_tail(tokens)}")
+        tailed = "token_tail"
     tot = src.df(f"""
         SELECT grp, CASE WHEN first THEN 'ttft' ELSE 'itl' END AS kind, COUNT(*) AS n,
                SUM(lat)::DOUBLE AS lat, SUM(lat) FILTER (WHERE tail)::DOUBLE AS tail_lat
-        FROM ({_with_tail(tokens)}) GROUP BY grp, first
+        FROM {tailed} GROUP BY grp, first
     """)
-    per = _stage_sums(src, tokens)
-    src.con.execute("DROP TABLE IF EXISTS bd_tok; DROP TABLE IF EXISTS bd_cut")
+    per = _stage_sums(src, tailed, grouped=g != "0") if derived is None else _derived_stage_sums(src, tokens, stages)
+    src.execute("DROP TABLE IF EXISTS bd_tok; DROP TABLE IF EXISTS bd_cut; DROP TABLE IF EXISTS token_tail")
     groups = sorted(tot["grp"].unique().tolist()) if gcol is not None else [0]
     frames = []
     for grp in groups:

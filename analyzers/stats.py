@@ -25,14 +25,17 @@ __all__ = ["ranks", "spearman", "normal_p_value", "permutation_p_value", "holm"]
 def ranks(x: np.ndarray) -> np.ndarray:
     """1-based ranks of ``x``, ties given their average rank."""
     x = np.asarray(x, dtype=float)
-    order = np.argsort(x, kind="stable")
     r = np.empty(x.size)
-    r[order] = np.arange(1, x.size + 1)
-    values, inverse = np.unique(x, return_inverse=True)
-    if values.size < x.size:  # average the ranks of tied values
-        sums = np.bincount(inverse, weights=r)
-        counts = np.bincount(inverse)
-        r = (sums / counts)[inverse]
+    if x.size == 0:
+        return r
+    order = np.argsort(x)  # one sort, ties neighbours in it (any order among them: they share their average rank)
+    xs = x[order]
+    starts_group = np.empty(x.size, dtype=bool)
+    starts_group[0] = True
+    starts_group[1:] = (xs[1:] != xs[:-1]) & ~(np.isnan(xs[1:]) & np.isnan(xs[:-1]))  # NaNs tie with each other
+    first = np.flatnonzero(starts_group)  # 0-based position of each group of equal values
+    last = np.r_[first[1:], x.size] - 1
+    r[order] = ((first + last) / 2 + 1)[np.cumsum(starts_group) - 1]  # the group's average 1-based rank
     return r
 
 

@@ -24,13 +24,14 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from analyzers import facts
 from analyzers.latency import latency
 from analyzers.neighbours import noisy_neighbours
 from analyzers.source import Source
 from analyzers.timing import request_table
 from tokentrace.schema import Stage, col
 
-__all__ = ["TenantReport", "tenant_shares", "jain_index", "fairness", "noisy_neighbours", "tenants"]
+__all__ = ["TenantReport", "tenant_shares", "jain_index", "fairness", "noisy_neighbours", "tenants", "compute_rows_sql"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +63,20 @@ def _weights(src: Source, names: list[str], weights: Mapping[str, float] | None)
 def _compute_ns(src: Source) -> pd.DataFrame:
     """Per tenant: compute time in ns attributed from the steps (module doc)."""
     c = col
-    p, d = int(Stage.PREFILL_COMPUTE), int(Stage.DECODE_COMPUTE)
+    derived = facts.view(src, "request_compute_ns")
+    rows = derived or f"({compute_rows_sql(src)})"
     return src.df(f"""
+        SELECT f.{c.TENANT}, COALESCE(SUM(w2.compute_ns), 0) AS compute_ns
+        FROM {rows} w2 JOIN {request_table(src)} f USING ({c.REQUEST_ID}) GROUP BY f.{c.TENANT}
+    """)
+
+
+def compute_rows_sql(src: Source) -> str:
+    """SELECT of (request_id, compute_ns): each request's share of every engine step it was in (module doc),
+    one row per (request, step); the derived fact ``request_compute_ns`` holds their sum per request."""
+    c = col
+    p, d = int(Stage.PREFILL_COMPUTE), int(Stage.DECODE_COMPUTE)
+    return f"""
         WITH part AS (
             SELECT {c.INSTANCE_ID}, {c.STEP}, {c.REQUEST_ID},
                    MAX(CASE WHEN {c.STAGE} = {p} THEN 1 ELSE 0 END) AS is_prefill
@@ -77,13 +90,11 @@ def _compute_ns(src: Source) -> pd.DataFrame:
                         ELSE 1.0 END AS tok,
                    (s.{c.END_NS} - s.{c.START_NS})::DOUBLE AS dur
             FROM part JOIN steps s ON part.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND part.{c.STEP} = s.{c.STEP}
-        ), w2 AS (
-            SELECT {c.REQUEST_ID}, tok / NULLIF(SUM(tok) OVER (PARTITION BY {c.INSTANCE_ID}, {c.STEP}), 0) * dur AS ns
-            FROM w
         )
-        SELECT f.{c.TENANT}, COALESCE(SUM(w2.ns), 0) AS compute_ns
-        FROM w2 JOIN {request_table(src)} f USING ({c.REQUEST_ID}) GROUP BY f.{c.TENANT}
-    """)
+        SELECT {c.REQUEST_ID}, tok / NULLIF(SUM(tok) OVER (PARTITION BY {c.INSTANCE_ID}, {c.STEP}), 0) * dur
+               AS compute_ns
+        FROM w
+    """
 
 
 def tenant_shares(src: Source, *, weights: Mapping[str, float] | None = None) -> pd.DataFrame:

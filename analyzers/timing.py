@@ -17,8 +17,9 @@ Definitions (all ns on the run's reference clock):
 
 :func:`token_times` and :func:`request_table` materialize these once per
 :class:`~analyzers.source.Source` as DuckDB temporary tables and return their
-names. :func:`token_intervals` and :func:`request_facts` are the same facts
-for small in-memory Arrow tables, as pandas.
+names; when the run has current derived facts (:mod:`analyzers.facts`) they return
+views over those files instead (same columns, same rows). :func:`token_intervals` and
+:func:`request_facts` are the same facts for small in-memory Arrow tables, as pandas.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 
+from analyzers import facts
 from analyzers.source import Source
 from tokentrace.schema import col
 
@@ -54,21 +56,25 @@ def token_times(src: Source) -> str:
     with the next chunk); failing that, when the engine emitted it.
     """
     def build() -> str:
+        derived = facts.derived_file(src, "token_times")
+        if derived is not None:  # the run's derived facts, current for its part files: read in place
+            src.cached(_ONE_ROW_PER_TOKEN, lambda: derived.extra.get(facts.ONE_ROW_PER_TOKEN) == "1")
+            return facts.view(src, "token_times")
         # One server process recorded the tokens (a colocated engine): each token has one row (the schema's
         # contract), so the rows need no grouping per token. The window below checks that contract and any
         # repeated token falls back to the grouped query.
         if src.scalar(f"SELECT COUNT(DISTINCT {col.INSTANCE_ID}) FROM srv_tokens") == 1:
-            src.con.execute(_one_row_per_token_sql())
+            src.execute(_one_row_per_token_sql())
             if not src.scalar(f"SELECT bool_or({_REPEATED}) FROM token_times"):
                 src.cached(_ONE_ROW_PER_TOKEN, lambda: True)
                 return "token_times"
         src.cached(_ONE_ROW_PER_TOKEN, lambda: False)
-        src.con.execute(_grouped_sql())
+        src.execute(_grouped_sql())
         return "token_times"
     return src.cached("token_times", build)
 
 
-_ONE_ROW_PER_TOKEN = "one_row_per_token"  # Source cache key: the server's token rows are one per token
+_ONE_ROW_PER_TOKEN = facts.ONE_ROW_PER_TOKEN  # Source cache key: the server's token rows are one per token
 
 
 def _one_row_per_token(src: Source) -> bool:
@@ -135,14 +141,17 @@ def token_steps(src: Source) -> str:
     each token first (null step / instance when no server row has an emit time)."""
     def build() -> str:
         c = col
+        derived = facts.view(src, "token_steps")
+        if derived is not None:
+            return derived
         if _one_row_per_token(src):  # one row per token already: nothing to choose between
-            src.con.execute(f"""
+            src.execute(f"""
             CREATE OR REPLACE TEMP TABLE token_steps AS
             SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.INSTANCE_ID}, {c.STEP}
             FROM srv_tokens WHERE {c.EMIT_NS} IS NOT NULL
             """)
             return "token_steps"
-        src.con.execute(f"""
+        src.execute(f"""
         CREATE OR REPLACE TEMP TABLE token_steps AS
         SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, arg_min({c.INSTANCE_ID}, {c.EMIT_NS}) AS {c.INSTANCE_ID},
                arg_min({c.STEP}, {c.EMIT_NS}) AS {c.STEP}
@@ -169,8 +178,11 @@ def request_table(src: Source) -> str:
     """
     def build() -> str:
         c = col
+        derived = facts.view(src, "request_facts")
+        if derived is not None:
+            return derived
         tt, ts = token_times(src), token_steps(src)
-        src.con.execute(f"""
+        src.execute(f"""
         CREATE OR REPLACE TEMP TABLE request_facts AS
         WITH r AS (
             SELECT {c.REQUEST_ID}, MAX({c.REQUEST_KEY}) AS {c.REQUEST_KEY},
@@ -216,10 +228,10 @@ def run_bounds(src: Source) -> tuple[int, int] | None:
     last token), read from the requests' rows and :func:`token_times` so that the facts need not be built.
     """
     c = col
-    row = src.con.execute(f"""
+    row = src.fetchone(f"""
         SELECT (SELECT MIN({c.ARRIVAL_NS}) FROM srv_requests),
                GREATEST((SELECT MAX({c.FINISH_NS}) FROM srv_requests), (SELECT MAX({TOKEN_END}) FROM {token_times(src)}))
-    """).fetchone()
+    """)
     if row is None or row[0] is None or row[1] is None:
         return None
     return int(row[0]), int(row[1])
@@ -230,7 +242,7 @@ def run_start(src: Source) -> int | None:
     own rows show the run has an end (some request has a finish time): then the start is just the first
     server-side arrival."""
     c = col
-    row = src.con.execute(f"SELECT MIN({c.ARRIVAL_NS}), MAX({c.FINISH_NS}) FROM srv_requests").fetchone()
+    row = src.fetchone(f"SELECT MIN({c.ARRIVAL_NS}), MAX({c.FINISH_NS}) FROM srv_requests")
     if row is not None and row[0] is not None and row[1] is not None:
         return int(row[0])
     bounds = run_bounds(src)  # no finish recorded: the end is the last token (needs the token times)

@@ -11,7 +11,10 @@ Every number the dashboard shows comes from :mod:`analyzers` through a
   run's finished files, so in live mode new files invalidate the cache and in
   static mode it is computed once per run;
 * serialises analyzer calls per run (an ``analyzers.analysis.RunAnalysis`` holds a
-  DuckDB connection, which is not thread-safe).
+  DuckDB connection, which is not thread-safe);
+* derives a finished run's shared facts once, before its first analysis, and keeps
+  them next to the run (``<run>/_derived``, :mod:`analyzers.derivation`), so a view
+  nobody has computed yet, in this process or a later one, starts from them.
 
 Thread-safety: every public method may be called from any server thread; they
 block while an analyzer computes. Bad input raises ``StoreError`` (a
@@ -169,9 +172,24 @@ class DataSource:
     def _analysis(self, run_id: str, version: Hashable) -> Any:
         found, analysis = self._analyses.get((run_id, version))
         if not found:
-            analysis = self.open(run_id).analyze()
+            run = self.open(run_id)
+            self._may_derive(run)
+            analysis = run.analyze()
             self._analyses.put((run_id, version), analysis)
         return analysis
+
+    def _may_derive(self, run: Run) -> None:
+        """Derive a finished run's shared facts once and keep them next to it (``analyzers.derivation``), so that
+        every later view, in this process or the next, reads them instead of deriving them again. A run still
+        being written (live) is analyzed from its part files only. Best effort: a read-only store, or a run a
+        writer reopened meanwhile, is analyzed through the part files as before."""
+        from analyzers.derivation import derive, run_is_finished
+
+        try:
+            if run_is_finished(run):
+                derive(run)
+        except Exception:  # noqa: BLE001 - the derived facts are a cache; the part files remain the answer
+            pass
 
     def cached(self, run_id: str, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()`` once per (run, data version, key), then from the cache. Blocks while computing."""
@@ -336,12 +354,14 @@ def warm_calls(info: RunInfo) -> list[tuple[str, dict[str, Hashable]]]:
     return [
         ("load", {}), ("latency", {}), ("latency", {"window_s": w}), ("slo", {}),
         ("goodput", {}), ("pd_ratio", {}),
-        ("capacity.throughput_summary", {}), ("capacity.percentiles", {}), ("capacity.throughput", {"window_s": w}),
+        ("capacity.throughput_summary", {}), ("capacity.percentiles", {}), ("capacity.offered_load", {}),
+        ("capacity.slo_targets", {}), ("capacity.throughput", {"window_s": w}),
         ("capacity.load_latency", {"window_s": w}), ("queues", {"bucket_s": float(w)}), ("capacity.cdf", {}),
         ("capacity.ttft_by_prompt", {}),
         ("attribution", {}), ("stage_breakdown", {"by": None}), ("critical_path", {}),
         ("slowest_requests", {"n": MAX_LISTED_REQUESTS}),
-        ("queues", {}), ("cache", {}), ("batch", {}), ("interference", {}), ("tenants", {}), ("noisy_neighbours", {}),
+        ("queues", {}), ("cache", {}), ("batch", {}), ("interference", {}), ("speculation", {}), ("sessions", {}), ("tenants", {}),
+        ("noisy_neighbours", {}),
         ("stage_breakdown", {"by": "tenant"}), ("stage_breakdown", {"by": "slo_class"}),
     ]
 

@@ -5,7 +5,9 @@ traced HTTP request (all on this process's monotonic clock, ns, read by the
 middleware itself):
 
 * a ``requests`` row: key = the ``X-Request-Id`` request header (or a fresh
-  UUID when absent), tenant from a configurable header, trace id from a W3C
+  UUID when absent), tenant from a configurable header, session and turn from
+  ``X-Session-Id`` / ``X-Session-Turn`` or the body's ``user`` field
+  (``sessions``, see :mod:`instrument.sessions`), trace id from a W3C
   ``traceparent`` header, ``arrival_ns`` = when uvicorn read the request's
   first bytes (:mod:`instrument.transport`; else when the server handed the
   request to the middleware), ``first_token_ns`` = ``first_content_ns`` = the
@@ -46,6 +48,7 @@ unchanged. ``recorder=None`` uses the recorder bound by
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import uuid
@@ -53,6 +56,7 @@ from typing import Any, Awaitable, Callable, Collection, MutableMapping
 
 from instrument import transport
 from instrument.loop_lag import LoopLagSampler
+from instrument.sessions import SessionSource, session_source
 from instrument.sse import EventInfo, SseScanner, Usage, classify_event
 from tokentrace import api
 from tokentrace.clock import now_ns
@@ -89,7 +93,7 @@ class _Exchange:
     __slots__ = ("rec", "rid", "key", "tenant", "slo_class", "trace_id", "t_first_byte", "t_arrival", "receive_end_ns",
                  "status_code", "sse", "json_parts", "json_bytes", "max_json_bytes", "scanner",
                  "num_tokens", "t_first_token", "last_send_ns", "complete", "usage", "error",
-                 "status", "body_error")
+                 "status", "body_error", "session", "turn", "sessions", "request_parts")
 
     def __init__(self, rec: Any, headers: dict[bytes, bytes], arrival_ns: int, mw: TokenTraceMiddleware,
                  first_byte_ns: int = -1) -> None:
@@ -101,6 +105,12 @@ class _Exchange:
         self.slo_class = (headers.get(mw.slo_class_header, b"").decode("latin-1").strip()
                           if mw.slo_class_header else "")
         self.trace_id = parse_traceparent(headers.get(b"traceparent", b"").decode("latin-1"))
+        text_headers = {k.decode("latin-1"): v.decode("latin-1").strip() for k, v in headers.items()}
+        self.sessions = mw.sessions
+        self.session = mw.sessions.from_headers(text_headers)
+        self.turn = mw.sessions.turn_from_headers(text_headers)
+        # the request body, kept only to read the OpenAI ``user`` field when that names the session
+        self.request_parts: list[bytes] | None = [] if mw.sessions.kind == "user" else None
         self.t_arrival = arrival_ns  # the request reached the middleware
         self.t_first_byte = first_byte_ns if 0 <= first_byte_ns <= arrival_ns else -1
         self.receive_end_ns = -1
@@ -122,6 +132,13 @@ class _Exchange:
     def on_receive(self, message: Message) -> None:
         kind = message.get("type")
         if kind == "http.request":
+            parts = self.request_parts
+            if parts is not None:
+                body = message.get("body", b"")
+                if sum(map(len, parts)) + len(body) <= self.max_json_bytes:
+                    parts.append(body)
+                else:
+                    self.request_parts = None
             if not message.get("more_body", False) and self.receive_end_ns < 0:
                 self.receive_end_ns = now_ns()
         elif kind == "http.disconnect" and not self.complete:
@@ -206,8 +223,11 @@ class _Exchange:
         if self.receive_end_ns >= 0:
             rec.span(self.rid, Stage.GATEWAY_RECEIVE, self.t_arrival, self.receive_end_ns, 0)
         arrival = self.t_first_byte if self.t_first_byte >= 0 else self.t_arrival
+        if self.request_parts:
+            self.session = self.sessions.from_headers({}, user=_user_field(b"".join(self.request_parts)))
         rec.request_begin(self.key, tenant=self.tenant, slo_class=self.slo_class, arrival_ns=arrival,
-                          num_prompt_tokens=usage.num_prompt_tokens, trace_id=self.trace_id)
+                          num_prompt_tokens=usage.num_prompt_tokens, trace_id=self.trace_id, session=self.session,
+                          session_turn=self.turn)
         num_output = usage.num_output_tokens
         if num_output < 0 and self.sse:
             num_output = self.num_tokens
@@ -215,6 +235,16 @@ class _Exchange:
                         status=self.status, first_token_ns=self.t_first_token,
                         num_output_tokens=num_output, num_cached_tokens=usage.num_cached_tokens,
                         error=self.error, first_content_ns=self.t_first_token)
+
+
+def _user_field(body: bytes) -> str:
+    """The ``user`` string of a JSON request body, else ""."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return ""
+    user = obj.get("user") if isinstance(obj, dict) else None
+    return user if isinstance(user, str) else ""
 
 
 class TokenTraceMiddleware:
@@ -231,7 +261,7 @@ class TokenTraceMiddleware:
     def __init__(self, app: ASGIApp, *, recorder: Recorder | Any | None = None,
                  tenant_header: str | None = "x-tenant", slo_class_header: str | None = "x-slo-class",
                  request_id_header: str = "x-request-id", paths: Collection[str] | None = DEFAULT_PATHS,
-                 max_json_bytes: int = 1 << 20) -> None:
+                 max_json_bytes: int = 1 << 20, sessions: SessionSource | str | None = None) -> None:
         if max_json_bytes < 0:
             raise ValueError(f"max_json_bytes must be >= 0, got {max_json_bytes}")
         if not request_id_header:
@@ -243,6 +273,7 @@ class TokenTraceMiddleware:
         self.request_id_header = request_id_header.lower().encode("latin-1")
         self.paths = None if paths is None else frozenset(paths)
         self.max_json_bytes = int(max_json_bytes)
+        self.sessions = session_source(sessions)
         self._warned = False
         self._samplers: dict[int, LoopLagSampler] = {}  # by recorder identity
         transport.install()  # first-byte times for gateway.accept, when the server is uvicorn

@@ -161,6 +161,14 @@ class SkewedRecorder:
     def loop_lag(self, start_ns: int, end_ns: int) -> None:
         self._r.loop_lag(start_ns + self.skew_ns, end_ns + self.skew_ns)
 
+    def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
+                  first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
+                  verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
+        k = self.skew_ns
+        self._r.spec_step(request_id, step, draft_source, num_proposed, num_accepted, first_token_index,
+                          draft_start_ns + k, draft_end_ns + k, verify_start_ns + k, verify_end_ns + k, batch_size,
+                          num_spec_seqs)
+
     def stage_end(self, request_id: int, stage: int, t_ns: int, *rest: Any) -> None:
         self._r.stage_end(request_id, stage, t_ns + self.skew_ns, *rest)
 

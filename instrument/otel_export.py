@@ -16,8 +16,8 @@ The tree of one request
   ``gen_ai.server.request.duration`` in seconds), vLLM's latency names
   (``gen_ai.latency.time_in_queue`` = sum of ``schedule.queue``,
   ``time_in_model_prefill`` = sum of ``prefill.compute``,
-  ``time_in_model_decode`` = sum of ``decode.compute``, ``time_to_first_token``,
-  ``e2e``; so ``tokentrace ingest-otlp`` reads our export back) and ours
+  ``time_in_model_decode`` = sum of ``decode.compute``, ``decode.draft`` and ``decode.verify``,
+  ``time_to_first_token``, ``e2e``; so ``tokentrace ingest-otlp`` reads our export back) and ours
   (tenant, SLO class, status). Status ERROR with ``error.type`` unless ``ok``.
 * one child span (kind INTERNAL) per stage interval of the ``spans`` table,
   named by the stage label (``prefill.compute``), with the token index,
@@ -99,6 +99,8 @@ class RequestTree:
     key: str = ""
     tenant: str = ""
     slo_class: str = ""
+    session: str = ""
+    session_turn: int | None = None
     trace_id: str = ""
     arrival_ns: int | None = None
     first_token_ns: int | None = None
@@ -128,6 +130,9 @@ def _merge(tree: RequestTree, row: dict[str, Any], shift: int) -> None:
     tree.key = first_str(tree.key, row[col.REQUEST_KEY])
     tree.tenant = first_str(tree.tenant, row[col.TENANT])
     tree.slo_class = first_str(tree.slo_class, row[col.SLO_CLASS])
+    tree.session = first_str(tree.session, row.get(col.SESSION))
+    if tree.session_turn is None:
+        tree.session_turn = row.get(col.SESSION_TURN)
     tree.trace_id = first_str(tree.trace_id, row[col.TRACE_ID])
     tree.rows.append({**row, **{c: (row[c] + shift if row[c] is not None else None) for c in _ROW_TIMES}})
     tree.arrival_ns = lo(tree.arrival_ns, row[col.ARRIVAL_NS])
@@ -163,9 +168,12 @@ def _request_event(row: dict[str, Any], to_wall: int) -> Event:
     for column, key in _ROW_TIME_KEYS.items():
         if row[column] is not None:
             attrs[key] = row[column] + to_wall
-    for key, column in ((sc.TT_TENANT, col.TENANT), (sc.TT_SLO_CLASS, col.SLO_CLASS), (sc.ERROR_TYPE, col.ERROR)):
-        if row[column]:
+    for key, column in ((sc.TT_TENANT, col.TENANT), (sc.TT_SLO_CLASS, col.SLO_CLASS), (sc.ERROR_TYPE, col.ERROR),
+                        (sc.TT_SESSION, col.SESSION)):
+        if row.get(column):
             attrs[key] = row[column]
+    if row.get(col.SESSION_TURN) is not None:
+        attrs[sc.TT_SESSION_TURN] = row[col.SESSION_TURN]
     for column, keys in _COUNTS.items():
         if row[column] is not None and row[column] >= 0:
             attrs[keys[0]] = row[column]
@@ -213,9 +221,11 @@ def _request_attributes(tree: RequestTree, stage_sums: dict[Stage, int], first_n
                              sc.TT_STATUS: RequestStatus(tree.status).label}
     if tree.first_content_ns is not None:
         attrs[sc.TT_FIRST_CONTENT_UNIX_NS] = tree.first_content_ns + to_wall
-    for key, value in ((sc.TT_TENANT, tree.tenant), (sc.TT_SLO_CLASS, tree.slo_class)):
+    for key, value in ((sc.TT_TENANT, tree.tenant), (sc.TT_SLO_CLASS, tree.slo_class), (sc.TT_SESSION, tree.session)):
         if value:
             attrs[key] = value
+    if tree.session_turn is not None:
+        attrs[sc.TT_SESSION_TURN] = tree.session_turn
     for column, keys in _COUNTS.items():
         if column in tree.counts:
             for key in keys:
@@ -226,11 +236,13 @@ def _request_attributes(tree: RequestTree, stage_sums: dict[Stage, int], first_n
             attrs[sc.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN] = attrs[sc.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = ttft
         e2e = (end_ns - tree.arrival_ns) / _NS_PER_S
         attrs[sc.GEN_AI_SERVER_REQUEST_DURATION] = attrs[sc.GEN_AI_LATENCY_E2E] = e2e
-    for key, stage in ((sc.GEN_AI_LATENCY_TIME_IN_QUEUE, Stage.SCHEDULE_QUEUE),
-                       (sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL, Stage.PREFILL_COMPUTE),
-                       (sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE, Stage.DECODE_COMPUTE)):
-        if stage in stage_sums:
-            attrs[key] = stage_sums[stage] / _NS_PER_S
+    # the model's decode time: plain decode steps, and a speculative step's draft and verify phases
+    for key, stages in ((sc.GEN_AI_LATENCY_TIME_IN_QUEUE, (Stage.SCHEDULE_QUEUE,)),
+                        (sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL, (Stage.PREFILL_COMPUTE,)),
+                        (sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE,
+                         (Stage.DECODE_COMPUTE, Stage.DECODE_DRAFT, Stage.DECODE_VERIFY))):
+        if any(stage in stage_sums for stage in stages):
+            attrs[key] = sum(stage_sums.get(stage, 0) for stage in stages) / _NS_PER_S
     if tree.status != RequestStatus.OK:
         attrs[sc.ERROR_TYPE] = tree.error or RequestStatus(tree.status).label
     return attrs

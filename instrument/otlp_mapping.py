@@ -50,6 +50,7 @@ from instrument.otlp_requests import (
     record_request,
     split_interval,
 )
+from instrument.sessions import parse_turn
 from tokentrace.clock import Anchor
 from tokentrace.recorder import Recorder
 from tokentrace.schema import RequestStatus, Stage, Tier, request_id_of
@@ -214,6 +215,8 @@ class OtlpMapper:
                          finish_ns=finish, trace_id=root.trace_id if any(root.trace_id.strip("0")) else "")
         b.tenant = first_str(a, self.options.tenant_keys, root.resource)
         b.slo_class = first_str(a, self.options.slo_class_keys, root.resource)
+        b.session = first_str(a, self.options.session_keys, root.resource)
+        b.session_turn = next((t for t in (parse_turn(a.get(k)) for k in self.options.session_turn_keys) if t >= 0), -1)
         b.num_prompt_tokens = _count(a, sc.GEN_AI_USAGE_INPUT_TOKENS, sc.GEN_AI_USAGE_PROMPT_TOKENS)
         b.num_output_tokens = _count(a, sc.GEN_AI_USAGE_OUTPUT_TOKENS, sc.GEN_AI_USAGE_COMPLETION_TOKENS)
         b.num_cached_tokens = _count(a, sc.GEN_AI_USAGE_CACHE_READ_DOT_INPUT_TOKENS,
@@ -360,7 +363,8 @@ class OtlpMapper:
             first_str(ea, (sc.TT_TENANT,)), first_str(ea, (sc.TT_SLO_CLASS,)), status,
             str(error)[:64] if isinstance(error, str) else "",
             _count(ea, sc.GEN_AI_USAGE_INPUT_TOKENS), _count(ea, sc.GEN_AI_USAGE_OUTPUT_TOKENS),
-            _count(ea, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS))
+            _count(ea, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS), session=first_str(ea, (sc.TT_SESSION,)),
+            session_turn=parse_turn(ea.get(sc.TT_SESSION_TURN)))
 
     def _tokentrace_stage(self, b: RequestBuild, c: OtlpSpan) -> None:
         iv = self._tokentrace_interval(c)

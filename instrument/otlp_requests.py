@@ -41,6 +41,10 @@ class IngestOptions:
     """Span (then resource) attributes holding the tenant, first present wins."""
     slo_class_keys: tuple[str, ...] = (sc.TT_SLO_CLASS, header_attribute("X-SLO-Class"))
     """Likewise for the SLO class."""
+    session_keys: tuple[str, ...] = (sc.TT_SESSION, sc.GEN_AI_CONVERSATION_ID, header_attribute("X-Session-Id"))
+    """Likewise for the session a request is a turn of (``instrument.sessions``)."""
+    session_turn_keys: tuple[str, ...] = (sc.TT_SESSION_TURN, header_attribute("X-Session-Turn"))
+    """Attributes holding the turn's number in its session (an int, or digits)."""
     role: Role = Role.COLOCATED
     """Role of instances whose spans do not say theirs."""
 
@@ -169,6 +173,8 @@ class RequestRow:
     num_prompt_tokens: int = -1
     num_output_tokens: int = -1
     num_cached_tokens: int = -1
+    session: str = ""
+    session_turn: int = -1
 
 
 @dataclass(slots=True)
@@ -189,6 +195,8 @@ class RequestBuild:
     num_prompt_tokens: int = -1
     num_output_tokens: int = -1
     num_cached_tokens: int = -1
+    session: str = ""
+    session_turn: int = -1
     token_times: list[int] = field(default_factory=list)
     """Emit time of token i (the engine's view) when no :attr:`token_rows` give them."""
     token_rows: list[TokenRow] = field(default_factory=list)
@@ -247,11 +255,13 @@ def record_request(b: RequestBuild) -> None:
             rec.token(rid, i, emit_ns=t)
     rows = b.rows or [RequestRow(rec, b.arrival_ns, b.finish_ns, b.first_token_ns, b.first_content_ns, b.tenant,
                                  b.slo_class, b.status, b.error, b.num_prompt_tokens, b.num_output_tokens,
-                                 b.num_cached_tokens)]
+                                 b.num_cached_tokens, b.session, b.session_turn)]
     for row in rows:
         target = row.recorder or rec
         target.request_begin(b.key, tenant=row.tenant, slo_class=row.slo_class, arrival_ns=row.arrival_ns,
-                             num_prompt_tokens=row.num_prompt_tokens, trace_id=b.trace_id)
+                             num_prompt_tokens=row.num_prompt_tokens, trace_id=b.trace_id,
+                             session=row.session or b.session,
+                             session_turn=row.session_turn if row.session_turn >= 0 else b.session_turn)
         target.request_end(rid, finish_ns=row.finish_ns, status=row.status, first_token_ns=row.first_token_ns,
                            num_output_tokens=row.num_output_tokens, num_cached_tokens=row.num_cached_tokens,
                            error=row.error, first_content_ns=row.first_content_ns)

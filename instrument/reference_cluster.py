@@ -95,7 +95,7 @@ class ServingEngineTracer(EngineTracer):
             start_ns = event.added_ns
         rid = self._rec.request_begin(
             event.request_id, tenant=event.tenant, slo_class=event.slo_class,
-            arrival_ns=start_ns, num_prompt_tokens=event.num_prompt_tokens,
+            arrival_ns=start_ns, num_prompt_tokens=event.num_prompt_tokens, session=event.session,
         )
         self._reqs[event.request_id] = _Req(rid=rid, cursor_ns=start_ns)
         self._added[event.request_id] = event.added_ns

@@ -16,6 +16,11 @@ Events that *do* something for the request become explicit intervals:
   prefill chunk of the request (the final chunk ends when its token is sampled);
 * ``decode.compute`` - ``[compute_start, sampled)`` of the step that produced a
   decode token;
+* ``decode.draft`` and ``decode.verify`` - instead of ``decode.compute``, for the
+  first token of a speculative step (``SpeculativeStep``): the step's draft phase, then
+  ``[verify_start, sampled)``; the step's further tokens carry only their own
+  ``detokenize`` (they were produced at the same instant). One ``spec_steps`` row per
+  request per speculative step;
 * ``detokenize``    - ``[sampled, emitted)``: the token id became a text delta;
 * ``schedule.preempted`` - preempted until resumed.
 
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 
 from reference_server.engine import hooks
 from tokentrace.recorder import Recorder
-from tokentrace.schema import CacheEventKind, RequestStatus, Stage, Tier
+from tokentrace.schema import CacheEventKind, DraftSource, RequestStatus, Stage, Tier, request_id_of
 
 __all__ = ["EngineTracer"]
 
@@ -52,7 +57,17 @@ _TRANSFER_KINDS: dict[str, CacheEventKind] = {
     "prefetch": CacheEventKind.PREFETCH,
 }
 _LOADS_FOR_REQUEST = frozenset({"load", "swap_in", "prefetch"})
+_RETENTION_KINDS: dict[str, CacheEventKind] = {
+    "retain": CacheEventKind.RETAIN,
+    "drop": CacheEventKind.DROP,
+    "carry": CacheEventKind.CARRY,
+}
 _FINISH_STATUS = {"stop": RequestStatus.OK, "length": RequestStatus.OK}
+_DRAFT_SOURCES: dict[str, DraftSource] = {
+    "model": DraftSource.MODEL,
+    "ngram": DraftSource.NGRAM,
+    "early_exit": DraftSource.EARLY_EXIT,
+}
 
 
 @dataclass(slots=True)
@@ -65,6 +80,7 @@ class _Req:
     first_token_ns: int = -1
     preempted_ns: int = -1  # start of the current preemption, -1 if running
     pending_tokens: list[hooks.TokenEmitted] = field(default_factory=list)
+    pending_spec: hooks.SpeculativeStep | None = None  # this step's speculation, if any
 
 
 class EngineTracer(hooks.EngineObserver):
@@ -103,7 +119,7 @@ class EngineTracer(hooks.EngineObserver):
     def on_request_added(self, event: hooks.RequestAdded) -> None:
         rid = self._rec.request_begin(
             event.request_id, tenant=event.tenant, slo_class=event.slo_class,
-            arrival_ns=event.arrival_ns, num_prompt_tokens=event.num_prompt_tokens,
+            arrival_ns=event.arrival_ns, num_prompt_tokens=event.num_prompt_tokens, session=event.session,
         )
         self._reqs[event.request_id] = _Req(rid=rid, cursor_ns=event.arrival_ns)
 
@@ -138,6 +154,14 @@ class EngineTracer(hooks.EngineObserver):
             self._interval(r, Stage.CACHE_LOAD, event.start_ns, event.end_ns, event.step,
                            event.num_bytes, event.src_tier)
 
+    def on_retention(self, event: hooks.RetentionEvent) -> None:
+        """A session retention decision: a ``retain``, ``drop`` or ``carry`` cache event of the
+        turn it concerns (finished turns are no longer in flight, so the id is derived from the key)."""
+        kind = _RETENTION_KINDS.get(event.kind)
+        if kind is not None:
+            self._rec.cache_event(kind, event.tier, event.num_blocks, event.start_ns, event.end_ns,
+                                  request_id_of(event.request_id), event.num_tokens, -1, event.step)
+
     def on_evicted(self, event: hooks.Evicted) -> None:
         self._rec.cache_event(CacheEventKind.EVICT, event.tier, event.num_blocks, event.ns, event.ns,
                               -1, -1, -1, event.step)
@@ -160,6 +184,11 @@ class EngineTracer(hooks.EngineObserver):
         r = self._reqs.get(event.request_id)
         if r is not None:
             r.pending_tokens.append(event)
+
+    def on_speculative_step(self, event: hooks.SpeculativeStep) -> None:
+        r = self._reqs.get(event.request_id)
+        if r is not None:
+            r.pending_spec = event
 
     def on_request_finished(self, event: hooks.RequestFinished) -> None:
         self._pending_finish.append(event)
@@ -198,6 +227,10 @@ class EngineTracer(hooks.EngineObserver):
                           batch_size: int) -> None:
         stage = Stage.PREFILL_COMPUTE if entry.num_prefill_tokens else Stage.DECODE_COMPUTE
         tokens, r.pending_tokens = r.pending_tokens, []
+        spec, r.pending_spec = r.pending_spec, None
+        if spec is not None and tokens:
+            self._speculative_step(r, spec, tokens, step)
+            return
         if not tokens:  # a non-final prefill chunk: no token sampled this step
             self._interval(r, stage, step.compute_start_ns, step.compute_end_ns, step.step,
                            batch_size=batch_size)
@@ -210,6 +243,26 @@ class EngineTracer(hooks.EngineObserver):
             if r.first_token_ns < 0:
                 r.first_token_ns = tok.emit_ns
             r.next_token = tok.index + 1
+
+    def _speculative_step(self, r: _Req, spec: hooks.SpeculativeStep, tokens: list[hooks.TokenEmitted],
+                          step: hooks.StepEnd) -> None:
+        """The tokens of one speculative step: the first carries the draft and verify phases,
+        each its own detokenize; plus the request's ``spec_steps`` row."""
+        self._interval(r, Stage.DECODE_DRAFT, spec.draft_start_ns, spec.draft_end_ns, step.step,
+                       batch_size=spec.num_spec_seqs)
+        self._interval(r, Stage.DECODE_VERIFY, spec.verify_start_ns, tokens[0].sampled_ns, step.step,
+                       batch_size=spec.batch_size)
+        for tok in tokens:
+            self._interval(r, Stage.DETOKENIZE, tok.sampled_ns, tok.emit_ns, step.step)
+            self._fill_to(r, tok.emit_ns, step.step)
+            self._rec.token(r.rid, tok.index, emit_ns=tok.emit_ns, step=step.step)
+            if r.first_token_ns < 0:
+                r.first_token_ns = tok.emit_ns
+            r.next_token = tok.index + 1
+        self._rec.spec_step(
+            r.rid, step.step, _DRAFT_SOURCES.get(spec.source, DraftSource.MODEL), spec.num_proposed,
+            spec.num_accepted, spec.first_token_index, spec.draft_start_ns, spec.draft_end_ns,
+            spec.verify_start_ns, spec.verify_end_ns, spec.batch_size, spec.num_spec_seqs)
 
     def _finish(self, event: hooks.RequestFinished) -> None:
         r = self._reqs.pop(event.request_id, None)

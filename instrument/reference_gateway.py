@@ -71,6 +71,7 @@ from typing import Any
 from instrument import transport
 from instrument.loop_lag import LoopLagSampler
 from instrument.reference_cluster import TokenRelay
+from instrument.sessions import SessionSource, parse_turn, session_source
 from reference_server.serving import gateway_hooks as gh
 from tokentrace.clock import OffsetBook
 from tokentrace.recorder import Recorder
@@ -117,6 +118,8 @@ class _GReq:
     trace_id: str
     tenant: str = ""
     slo_class: str = ""
+    session: str = ""
+    session_turn: int = -1
     cursor_ns: int = -1  # end of the last gateway span (route end, then the last token's send)
     tokenized: bool = False
     first_sent_ns: int = -1
@@ -138,8 +141,10 @@ class GatewayTracer(gh.GatewayObserver):
     """
 
     def __init__(self, recorder: Recorder, *, relay: TokenRelay | None = None,
-                 clocks: OffsetBook | None = None) -> None:
+                 clocks: OffsetBook | None = None, sessions: SessionSource | str | None = None) -> None:
         self._rec = recorder
+        self.sessions = session_source(sessions)
+        """Where a request's session id is read (``instrument.sessions``)."""
         self._relay = relay
         self._reqs: dict[str, _GReq] = {}
         self.clocks = clocks if clocks is not None else OffsetBook()
@@ -184,6 +189,9 @@ class GatewayTracer(gh.GatewayObserver):
         g = _GReq(request_id_of(event.request_id), arrival, event.t_ns, trace_id_of(event.traceparent),
                   event.tenant or "")
         self._reqs[event.request_id] = g
+        if self.sessions.kind != "user":  # the gateway reports the X-Session-Id header (the user field: parsed)
+            g.session = self.sessions.from_headers({"x-session-id": event.session_header or ""})
+        g.session_turn = parse_turn(event.session_turn_header)
         if arrival < event.t_ns:
             self._rec.span(g.rid, Stage.GATEWAY_ACCEPT, arrival, event.t_ns, 0)
 
@@ -191,6 +199,8 @@ class GatewayTracer(gh.GatewayObserver):
         g = self._reqs.get(event.request_id)
         if g is not None:
             g.tenant, g.slo_class = event.tenant, event.slo_class
+            if self.sessions.kind == "user":
+                g.session = self.sessions.from_headers({}, user=event.user)
 
     def on_tokenized(self, event: gh.Tokenized) -> None:
         g = self._reqs.get(event.request_id)
@@ -287,7 +297,8 @@ class GatewayTracer(gh.GatewayObserver):
         if not g.tokenized and event.t_ns > g.received_ns:  # refused while reading or validating
             rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.received_ns, event.t_ns, -1)
         rec.request_begin(event.request_id, tenant=g.tenant, slo_class=g.slo_class, arrival_ns=g.arrival_ns,
-                          num_prompt_tokens=event.num_prompt_tokens, trace_id=g.trace_id)
+                          num_prompt_tokens=event.num_prompt_tokens, trace_id=g.trace_id, session=g.session,
+                          session_turn=g.session_turn)
         rec.request_end(g.rid, finish_ns=event.t_ns, status=_OUTCOME_STATUS.get(event.outcome, RequestStatus.ERROR),
                         first_token_ns=g.first_sent_ns, num_output_tokens=event.num_output_tokens,
                         error=event.error or "", first_content_ns=g.first_content_ns)

@@ -86,8 +86,11 @@ _SPAN = struct.Struct("<8q")
 _TOKEN = struct.Struct("<5q")
 # kind, tier, num_blocks, start, end, num_tokens, num_bytes, step
 _CACHE = struct.Struct("<8q")
-_SPANS, _TOKENS, _CACHES = 0, 1, 2
-_STRUCTS = (_SPAN, _TOKEN, _CACHE)
+# step, draft_source, num_proposed, num_accepted, first_token_index, draft start/end, verify start/end,
+# batch_size, num_spec_seqs
+_SPEC = struct.Struct("<11q")
+_SPANS, _TOKENS, _CACHES, _SPECS = 0, 1, 2, 3
+_STRUCTS = (_SPAN, _TOKEN, _CACHE, _SPEC)
 
 
 class _Pending:
@@ -98,7 +101,7 @@ class _Pending:
     def __init__(self) -> None:
         self.begin: dict[str, Any] | None = None  # request_begin's arguments
         self.t_arrival = -1  # local monotonic ns
-        self.bufs = (bytearray(), bytearray(), bytearray())
+        self.bufs = (bytearray(), bytearray(), bytearray(), bytearray())
         self.num_bytes = PENDING_BYTES
         self.num_events = 0
         self.first_out_ns = -1  # earliest token emit/sent seen, local monotonic ns
@@ -166,6 +169,15 @@ class SamplingRecorder:
                 request_id, _CACHES, (kind, tier, num_blocks, start_ns, end_ns, num_tokens, num_bytes, step)):
             self._rec.cache_event(kind, tier, num_blocks, start_ns, end_ns, request_id, num_tokens, num_bytes, step)
 
+    def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
+                  first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
+                  verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
+        """As ``Recorder.spec_step``; sampled with its request."""
+        values = (step, draft_source, num_proposed, num_accepted, first_token_index, draft_start_ns, draft_end_ns,
+                  verify_start_ns, verify_end_ns, batch_size, num_spec_seqs)
+        if self._passes(request_id) or not self._buffer(request_id, _SPECS, values):
+            self._rec.spec_step(request_id, *values)
+
     def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
         """As ``Recorder.stage_begin``."""
         if self._passes(request_id):
@@ -199,10 +211,12 @@ class SamplingRecorder:
     # ------------------------------------------------------------------ requests
 
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
-                      num_prompt_tokens: int = -1, trace_id: str = "") -> int:
+                      num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
+                      session_turn: int = -1) -> int:
         """As ``Recorder.request_begin``; returns ``request_id_of(key)``."""
         begin = dict(tenant=tenant, slo_class=slo_class, arrival_ns=arrival_ns,
-                     num_prompt_tokens=num_prompt_tokens, trace_id=trace_id)
+                     num_prompt_tokens=num_prompt_tokens, trace_id=trace_id, session=session,
+                     session_turn=session_turn)
         try:
             rid = request_id_of(key)
         except Exception:  # the recorder counts the bad key
@@ -319,13 +333,15 @@ class SamplingRecorder:
         if p.begin is not None:
             b = dict(p.begin)
             rec.request_begin(b.pop("key"), **b)
-        spans, tokens, caches = p.bufs
+        spans, tokens, caches, specs = p.bufs
         for stage, start, end, ti, step, nb, tier, bs in _SPAN.iter_unpack(spans):
             rec.span(rid, stage, start, end, ti, step, nb, tier, bs)
         for ti, emit, sent, recv, step in _TOKEN.iter_unpack(tokens):
             rec.token(rid, ti, emit_ns=emit, sent_ns=sent, recv_ns=recv, step=step)
         for kind, tier, nblocks, start, end, ntok, nb, step in _CACHE.iter_unpack(caches):
             rec.cache_event(kind, tier, nblocks, start, end, rid, ntok, nb, step)
+        for values in _SPEC.iter_unpack(specs):
+            rec.spec_step(rid, *values)
 
     # ------------------------------------------------------------------ counters and control
 

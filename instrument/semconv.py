@@ -15,7 +15,7 @@ __all__ = [
     "GEN_AI_SERVER_TIME_TO_FIRST_TOKEN", "GEN_AI_SERVER_REQUEST_DURATION",
     "GEN_AI_LATENCY_TIME_IN_QUEUE", "GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN", "GEN_AI_LATENCY_E2E",
     "GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL", "GEN_AI_LATENCY_TIME_IN_MODEL_DECODE", "ERROR_TYPE",
-    "TT_RUN_ID", "TT_TENANT", "TT_SLO_CLASS", "TT_STATUS", "TT_STAGE", "TT_TOKEN_INDEX", "TT_ENGINE_STEP",
+    "TT_RUN_ID", "TT_TENANT", "TT_SLO_CLASS", "TT_SESSION", "TT_SESSION_TURN", "GEN_AI_CONVERSATION_ID", "TT_STATUS", "TT_STAGE", "TT_TOKEN_INDEX", "TT_ENGINE_STEP",
     "TT_INSTANCE_ID", "TT_BYTES", "TT_KV_TIER", "TT_BATCH_SIZE", "SERVICE_NAME",
     "SERVICE_INSTANCE_ID", "HOST_NAME", "PROCESS_PID", "VLLM_PROCESS_ID", "TT_INSTANCE_NAME", "TT_INSTANCE_ROLE",
     "GEN_AI_USAGE_CACHE_READ_DOT_INPUT_TOKENS", "GEN_AI_RESPONSE_FINISH_REASONS", "GEN_AI_RESPONSE_FINISH_REASON",
@@ -70,6 +70,12 @@ TT_RUN_ID = "tokentrace.run_id"
 """Resource attribute: the store run the spans came from."""
 TT_TENANT = "tokentrace.tenant"
 TT_SLO_CLASS = "tokentrace.slo_class"
+TT_SESSION = "tokentrace.session"
+"""The session (conversation, agent loop) a request is a turn of."""
+TT_SESSION_TURN = "tokentrace.session.turn"
+"""0-based turn of the request in its session (int)."""
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
+"""Semconv: the conversation (session) a generative AI request belongs to."""
 TT_STATUS = "tokentrace.request_status"
 """Request status label (``ok``, ``error``, ``aborted``, ``timeout``, ``rejected``)."""
 TT_STAGE = "tokentrace.stage"

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from reference_server.engine import EngineConfig, TenantConfig
+from reference_server.engine.speculative import check_speculative_options
 from reference_server.serving.delays import DelayConfig
 
 __all__ = ["build_backend", "build_engine_config", "main", "parse_args"]
@@ -38,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=1, help="decode workers (--mode disagg)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = a free port")
-    p.add_argument("--model", default="tiny", help="model preset (tiny, small)")
+    p.add_argument("--model", default="tiny",
+                   help="model preset (tiny, small: random weights) or bundled trained model (trained, trained-draft)")
     p.add_argument("--checkpoint", default=None, help="local Hugging Face-format folder (overrides --model)")
     p.add_argument("--served-model-name", action="append", default=[], help="extra accepted model name")
     p.add_argument("--tenants", default=None, help="tenants file (TOML or JSON); turns API-key auth on")
@@ -52,7 +54,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--scheduling-policy", default="fcfs", help="fcfs | slo | fair")
     p.add_argument("--preemption-mode", default="recompute", help="recompute | swap")
+    p.add_argument("--kv-retention", default="lru",
+                   help="a finished session turn's KV: lru | keep | offload | drop (sessions: X-Session-Id or user)")
+    p.add_argument("--kv-retention-ttl", type=float, default=None, help="seconds a 'keep' pin lasts (default: "
+                   "until the session's next turn)")
+    p.add_argument("--kv-retention-max-blocks", type=int, default=None,
+                   help="device blocks 'keep' pins at most (default: half the device tier)")
     p.add_argument("--seed", type=int, default=0, help="random weights seed")
+    p.add_argument("--speculative", default=None, choices=("model", "ngram", "early_exit"),
+                   help="speculative decoding: draft model, n-gram prompt lookup or early exit (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="proposals per request per step (k)")
+    p.add_argument("--speculative-budget", type=int, default=16,
+                   help="proposals per step over the batch: k shrinks as the batch grows, 0 = off")
+    p.add_argument("--speculative-draft-model", default="trained-draft",
+                   help="draft model for --speculative model: bundled name, preset or checkpoint folder")
+    p.add_argument("--speculative-exit-layer", type=int, default=2, help="layers of the early-exit draft")
+    p.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest suffix n-gram looked up (1-3)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--kv-chunk-blocks", type=int, default=16, help="KV blocks per transfer frame")
     p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds without a pong = dead worker")
@@ -66,12 +83,19 @@ def build_engine_config(args: argparse.Namespace, tenants: list[TenantConfig] | 
     tenant_list = list(tenants or [])
     if not any(t.name == "default" for t in tenant_list):
         tenant_list.append(TenantConfig("default"))
-    return EngineConfig(
+    config = EngineConfig(
         model=args.model, checkpoint=args.checkpoint, seed=args.seed, device=args.device,
         block_size=args.block_size, num_device_blocks=args.num_device_blocks, num_host_blocks=args.num_host_blocks,
         num_disk_blocks=args.num_disk_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
-        preemption_mode=args.preemption_mode, tenants=tuple(tenant_list))
+        preemption_mode=args.preemption_mode, tenants=tuple(tenant_list), kv_retention=args.kv_retention,
+        kv_retention_ttl_s=args.kv_retention_ttl, kv_retention_max_blocks=args.kv_retention_max_blocks,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens, speculative_budget=args.speculative_budget,
+        speculative_draft_model=args.speculative_draft_model, speculative_exit_layer=args.speculative_exit_layer,
+        speculative_ngram_min=args.speculative_ngram_min)
+    check_speculative_options(config)
+    return config
 
 
 def build_backend(args: argparse.Namespace, config: EngineConfig, delays: DelayConfig) -> Any:

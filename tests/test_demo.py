@@ -331,3 +331,79 @@ def test_the_dashboard_step_serves_the_store_until_ctrl_c(tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/" in out and "dashboard stopped" in out
+
+
+def _spec_run(store: Path, *, speculated: bool) -> None:
+    """Two requests of 4 tokens on one engine; with ``speculated``, each one's tokens 1-2 come from one speculative
+    step (2 proposals, 1 accepted: draft 1 ms, verify 3 ms), token 3 from a plain step either way."""
+    import pyarrow as pa
+
+    from tokentrace.schema import SPEC_STEPS
+    from tokentrace.store import StoreWriter
+
+    ms = 1_000_000
+    rows: dict = {t.name: [] for t in (INSTANCES, REQUESTS, TOKENS, SPANS, SPEC_STEPS)}
+    rows[INSTANCES.name].append({col.INSTANCE_ID: 1, col.ROLE: int(Role.COLOCATED), col.NAME: "engine-0",
+                                 col.HOST: "h", col.PID: 1, col.MONO_ANCHOR_NS: 0, col.WALL_ANCHOR_NS: 0,
+                                 col.CLOCK_OFFSET_NS: 0})
+    for rid in (1, 2):
+        t0 = rid * 100 * ms
+        rows[REQUESTS.name].append({col.REQUEST_ID: rid, col.REQUEST_KEY: f"r{rid}", col.INSTANCE_ID: 1,
+                                    col.ARRIVAL_NS: t0, col.FINISH_NS: t0 + 20 * ms, col.STATUS: 0})
+        for i, t in enumerate((10, 14, 14, 18)):
+            rows[TOKENS.name].append({col.REQUEST_ID: rid, col.TOKEN_INDEX: i, col.EMIT_NS: t0 + t * ms,
+                                      col.INSTANCE_ID: 1})
+        for stage, start, end, idx in ((Stage.PREFILL_COMPUTE, 0, 10, 0), (Stage.DECODE_COMPUTE, 14, 18, 3)):
+            rows[SPANS.name].append({col.REQUEST_ID: rid, col.STAGE: int(stage), col.TOKEN_INDEX: idx,
+                                     col.START_NS: t0 + start * ms, col.END_NS: t0 + end * ms, col.INSTANCE_ID: 1})
+        if speculated:
+            rows[SPEC_STEPS.name].append({
+                col.INSTANCE_ID: 1, col.REQUEST_ID: rid, col.STEP: 1, col.DRAFT_SOURCE: 0, col.NUM_PROPOSED: 2,
+                col.NUM_ACCEPTED: 1, col.FIRST_TOKEN_INDEX: 1, col.DRAFT_START_NS: t0 + 10 * ms,
+                col.DRAFT_END_NS: t0 + 11 * ms, col.VERIFY_START_NS: t0 + 11 * ms, col.VERIFY_END_NS: t0 + 14 * ms,
+                col.BATCH_SIZE: 1, col.NUM_SPEC_SEQS: 1})
+    with StoreWriter(store, run_id="run") as w:
+        for t in (INSTANCES, REQUESTS, TOKENS, SPANS, SPEC_STEPS):
+            if rows[t.name]:
+                w.write(t, pa.Table.from_pydict({c.name: [r.get(c.name) for r in rows[t.name]] for c in t.columns},
+                                                schema=t.schema))
+        w.register_instance(1, Role.COLOCATED, "engine-0")
+
+
+def test_the_speculative_flag_reaches_the_servers_own_options(tmp_path, monkeypatch):
+    """`tokentrace demo --speculative` -> the demo's options -> the server's argv, which the reference server's
+    own argument parser reads as speculation on (a draft model) for the trained model."""
+    import tokentrace.demo as demo_module
+    from reference_server.launcher import parse_args
+    from tokentrace.demo import demo_model
+
+    seen: list[DemoOptions] = []
+    monkeypatch.setattr(demo_module, "run_demo", lambda opts: seen.append(opts))
+    register_commands()
+    for argv, source, model in ((["--speculative"], "model", "trained"), ([], None, "small"),
+                                (["--speculative", "--model", "tiny"], "model", "tiny")):
+        result = CliRunner().invoke(app, ["demo", "--store", str(tmp_path / "st"), "--trace", str(TRACE),
+                                          "--no-dashboard", *argv])
+        assert result.exit_code == 0, result.output
+        opts = seen.pop()
+        assert (opts.speculative, demo_model(opts)) == (source, model)
+        spec = ServerSpec(store=Path("st"), run_id="r", tenants_file=Path("t.json"), model=demo_model(opts),
+                          speculative=opts.speculative)
+        argv_server = server_command(spec)
+        args = parse_args(argv_server[argv_server.index("-m", argv_server.index("--")) + 2:])
+        assert (args.speculative, args.model) == (source, model)
+
+
+def test_the_terminal_report_shows_speculation_only_when_the_run_speculated(tmp_path):
+    from tokentrace.demo.report import print_report
+    from tokentrace.report import make_report
+
+    for speculated in (True, False):
+        store = tmp_path / f"st-{speculated}"
+        _spec_run(store, speculated=speculated)
+        out = io.StringIO()
+        print_report(make_report(store), Console(file=out, width=160, force_terminal=False))
+        text = out.getvalue()
+        assert ("Speculative decoding" in text) is speculated
+        if speculated:
+            assert "2 speculative step(s) of 2 request(s)" in text and "50.0% were accepted" in text

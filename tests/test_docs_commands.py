@@ -61,7 +61,7 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "set-up: CI creates the venv with the same pip line (tests/test_readme.py); the demo itself, reduced, "
         "is tests/test_demo.py, and with the dashboard it runs until Ctrl-C"),
     ("README.md", "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e "
-                  "'.[server,dashboard,test]' && .venv/bin/python -m pytest -q"): Covered(
+                  "'.[server,dashboard,test,spark]' && .venv/bin/python -m pytest -q"): Covered(
         "tests/test_readme.py::test_ci_runs_exactly_the_readme_test_command",
         "this is the command CI runs (.ci/run); running it here would run the suite inside itself"),
     ("README.md", ".venv/bin/tokentrace runs traces/"): RUN,
@@ -90,6 +90,16 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "needs the server of the previous block; the demo replays Mooncake through the same bench machinery "
         "into the server's run and the report is read from it"),
     ("docs/instrumenting.md", "python my_engine.py && tokentrace report traces --run my-engine"): RUN,
+    ("docs/instrumenting.md", "tokentrace bench --url http://127.0.0.1:8000 --sessions agent --num-sessions 4 "
+                              "--length-scale 0.25 --processes 0 --store traces --run agent-keep"): Covered(
+        "tests/tokentrace/bench/test_sessions.py::test_agent_sessions_on_the_reference_server_record_sessions_and_full_reuse",
+        "needs the server of the block before; the test runs agent sessions against a reference server that keeps "
+        "sessions' KV, and tests/tokentrace/report/test_sessions.py::test_retention_policies_compared_run_against_run "
+        "compares two retention policies with --baseline"),
+    ("docs/quickstart.md", "tokentrace demo --sessions agent --num-sessions 6 --kv-retention keep --no-dashboard"):
+        Covered("tests/tokentrace/demo/test_sessions.py::test_the_demo_runs_agent_sessions_on_the_disaggregated_server",
+                "starts a disaggregated server for about a minute; the test runs the same path reduced (one "
+                "session, the tiny model)"),
     ("docs/instrument-otel.md", "tokentrace ingest-otlp --grpc-listen 127.0.0.1:4317 --store traces --run vllm-run-1"):
         Covered("tests/instrument/test_otel.py::test_grpc_receiver_takes_vllms_default_exporter_beside_http_into_one_run",
                 "a long-running receiver, then `vllm serve`, a third-party GPU server not installed here; the test "
@@ -105,6 +115,11 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
     ("docs/quickstart.md", "tokentrace demo --no-dashboard"): Covered(
         "tests/test_demo.py::test_the_report_is_printed",
         "the full demo runs for minutes; the test runs the same code path reduced (10 requests, tiny model)"),
+    ("docs/quickstart.md", "tokentrace demo --speculative --no-dashboard"): Covered(
+        "tests/test_demo.py::test_the_speculative_flag_reaches_the_servers_own_options",
+        "the full demo runs for most of a minute; the test runs the flag through the CLI into the server's argv and "
+        "the reference server's own argument parser, and test_the_terminal_report_shows_speculation_only_when_the_"
+        "run_speculated prints the section the demo prints"),
     ("docs/quickstart.md", "tokentrace runs demo-store"): RUN,
     ("docs/quickstart.md", "tokentrace dashboard demo-store --port 8050"): Covered(
         "tests/dashboard/test_command.py::test_binds_loopback_by_default",
@@ -125,6 +140,33 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         Covered("tests/tokentrace/test_live_metrics.py::test_tokentrace_run_metrics_port_reaches_the_traced_process",
                 "a long-running server on fixed ports; the test runs tokentrace run --metrics-port around a traced "
                 "process on a free port and parses what its /metrics serves"),
+    ("docs/scaling.md", ".venv/bin/pip install -c constraints.txt -e '.[spark]' && sudo apt-get install -y "
+                        "default-jre-headless"): Covered(
+        "tests/test_readme.py::test_ci_runs_the_spark_tests_with_java_never_skipping_them",
+        "set-up: CI's test command installs the same extra and .ci/run installs Debian's Java first"),
+    ("docs/scaling.md", "tokentrace report traces --engine spark --spark-master 'local[2]' --format json --out "
+                        "spark-report"): Covered(
+        "tests/analyzers/test_engines.py::test_the_report_on_the_real_run_is_the_same_on_both_engines",
+        "starts a JVM, most of a minute on two busy cores; the test makes the same report of the same real run "
+        "on Spark and compares every table and metric with DuckDB's, and the command's error paths run there too"),
+    ("docs/scaling.md", "ls \"$(python -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars\" | "
+                        "grep hadoop-client-api"): RUN,
+    ("docs/scaling.md", "spark-submit --master spark://head:7077 --packages org.apache.hadoop:hadoop-aws:3.5.0 \\"):
+        Covered("tests/analyzers/test_engines.py::test_groupings_and_cache_on_a_simulated_run_read_by_url",
+                "needs a Spark cluster and an S3 bucket; the test reads a run by its URL through the same "
+                "Source.of_url (file://, the same Hadoop file system path) and compares with DuckDB"),
+    ("docs/reference-server.md", ".venv/bin/python -m reference_server.model.train --out reference_server/weights"):
+        Covered("tests/reference_server/model/test_train.py::test_the_training_command_writes_checkpoints_the_engine_loads",
+                "trains for about 20 minutes; the test runs the same command for 2 steps into a scratch folder and "
+                "serves what it wrote"),
+    ("docs/reference-server.md", "tokentrace run --store traces --run spec -- python -m reference_server --mode "
+                                 "colocated --instances 1 --model trained --speculative ngram --port 8000"): Covered(
+        "tests/instrument/test_speculative_tracing.py::test_colocated_cluster_with_speculation_under_tokentrace_run",
+        "a long-running server on a fixed port; the test runs tokentrace run around a colocated reference server "
+        "with --speculative ngram on a free port and checks the tiling of its speculative steps"),
+    ("docs/reference-server.md", ".venv/bin/python benchmarks/speculative.py"): Covered(
+        "tests/benchmarks/test_speculative.py::test_the_benchmark_prints_its_table_and_ratio_last",
+        "takes minutes; the test runs it reduced (tiny model, batches 1 and 2) and checks its table and last line"),
     ("docs/scaling.md", "tokentrace run --store traces --sample 0.1 -- python -m reference_server --mode disagg "
                         "--prefill 1 --decode 1 --port 8000"): Covered(
         "tests/tokentrace/cli/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",

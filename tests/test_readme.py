@@ -30,6 +30,19 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert ci_lines[-1] == test_cmd
 
 
+def test_ci_runs_the_spark_tests_with_java_never_skipping_them():
+    """The test command installs the spark extra and CI installs Debian's Java as root before it, so the
+    cross-engine tests (tests/analyzers/test_engines.py) run in CI."""
+    test_cmd = next(c for c in _readme_commands() if "pytest" in c)
+    extras = re.search(r"-e '\.\[([\w,-]+)\]'", test_cmd)
+    assert extras is not None and "spark" in extras.group(1).split(","), test_cmd
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert "apt-get install -y -qq default-jre-headless" in ci
+    assert ci.index("default-jre-headless") < ci.index(test_cmd)
+    pins = (REPO / "constraints.txt").read_text(encoding="utf-8")
+    assert re.search(r"^pyspark==4\.", pins, re.M) and re.search(r"^sqlglot==", pins, re.M)
+
+
 def test_constraints_pin_the_cpu_torch_while_metadata_keeps_a_range():
     constraints = (REPO / "constraints.txt").read_text(encoding="utf-8")
     assert "torch==2.13.0" in constraints

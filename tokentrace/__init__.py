@@ -74,14 +74,17 @@ __all__ = [
 ]
 
 
-def open(path: str | os.PathLike[str], run: str | None = None) -> Any:  # noqa: A001 - public name
+def open(path: str | os.PathLike[str], run: str | None = None, *, engine: str | None = None,  # noqa: A001
+         spark_master: str | None = None) -> Any:
     """Open run ``run`` (default: the newest) of the store at ``path``, with ``.analyze()``.
 
-    See ``tokentrace.store.open_run`` for how the run is chosen and the errors.
+    See ``tokentrace.store.open_run`` for how the run is chosen and the errors. ``engine``: what
+    ``.analyze()`` runs on, ``"duckdb"`` (default, embedded) or ``"spark"`` (the ``[spark]`` extra;
+    ``spark_master`` default ``local[*]``); see ``docs/scaling.md``.
     """
     from tokentrace.analysis import open_run
 
-    return open_run(path, run)
+    return open_run(path, run, engine=engine, spark_master=spark_master)
 
 
 def runs(path: str | os.PathLike[str]) -> list[Any]:

@@ -63,7 +63,7 @@ def current() -> Recorder | None:
 
 
 def request_begin(key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int | None = None,
-                  num_prompt_tokens: int = -1, trace_id: str = "") -> int:
+                  num_prompt_tokens: int = -1, trace_id: str = "", session: str = "", session_turn: int = -1) -> int:
     """Note a request's arrival (default: now); returns its ``request_id``.
 
     Unbound, it returns ``-1`` without hashing the key: ids only matter
@@ -74,7 +74,8 @@ def request_begin(key: str, *, tenant: str = "", slo_class: str = "", arrival_ns
         return -1
     return r.request_begin(key, tenant=tenant, slo_class=slo_class,
                            arrival_ns=now_ns() if arrival_ns is None else arrival_ns,
-                           num_prompt_tokens=num_prompt_tokens, trace_id=trace_id)
+                           num_prompt_tokens=num_prompt_tokens, trace_id=trace_id, session=session,
+                           session_turn=session_turn)
 
 
 def request_end(request_id: int, *, finish_ns: int | None = None, status: int = RequestStatus.OK,

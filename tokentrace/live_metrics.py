@@ -128,9 +128,11 @@ class MetricsRecorder:
     # -- the events that feed the metrics
 
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
-                      num_prompt_tokens: int = -1, trace_id: str = "") -> int:
+                      num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
+                      session_turn: int = -1) -> int:
         rid = self.inner.request_begin(key, tenant=tenant, slo_class=slo_class, arrival_ns=arrival_ns,
-                                       num_prompt_tokens=num_prompt_tokens, trace_id=trace_id)
+                                       num_prompt_tokens=num_prompt_tokens, trace_id=trace_id,
+                                       session=session, session_turn=session_turn)
         self._guard(self._begin, rid, arrival_ns)
         return rid
 
@@ -185,6 +187,12 @@ class MetricsRecorder:
 
     def loop_lag(self, start_ns: int, end_ns: int) -> None:
         self.inner.loop_lag(start_ns, end_ns)
+
+    def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
+                  first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
+                  verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
+        self.inner.spec_step(request_id, step, draft_source, num_proposed, num_accepted, first_token_index,
+                             draft_start_ns, draft_end_ns, verify_start_ns, verify_end_ns, batch_size, num_spec_seqs)
 
     def instance(self, *, role: int = Role.COLOCATED, name: str = "", host: str | None = None,
                  pid: int | None = None, anchor: Anchor | None = None, clock_offset_ns: int = 0,

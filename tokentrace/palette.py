@@ -1,16 +1,17 @@
 """The one stage palette: the colour of every stage in the dashboard, the reports and the trace export.
 
-Fifteen stages cannot all be told apart by every reader, so the palette is built
+Seventeen stages cannot all be told apart by every reader, so the palette is built
 for what charts need: stages are drawn in pipeline order (stacked bars, a
 waterfall's lanes), so **neighbours in that order** must differ most. The colours
-come from Paul Tol's colour-blind-safe schemes (bright, muted, light, vibrant) and
+come from Paul Tol's colour-blind-safe schemes (bright, muted, light, vibrant, pale, dark) and
 Okabe-Ito's, assigned so that, in normal vision and simulated protanopia,
 deuteranopia and tritanopia (Machado et al. 2009), stages next to each other in
 :class:`~tokentrace.schema.Stage` order (``unattributed`` after ``stream.send``) are
 at least 20 CIELAB units apart, stages two apart at least 15, and every pair at
 least 8 (``tests/tokentrace/test_palette.py`` checks it). Some meaning is kept:
 the two queues are warm (sand, orange), preemption is red, compute is dark (wine
-for prefill, indigo for decode), unattributed time is grey.
+for prefill, indigo for decode, dark brown for a speculative verify pass, whose cheap draft is
+pale cyan), unattributed time is grey.
 
 A trace in Chrome's JSON format cannot carry an RGB colour: chrome://tracing takes
 one of its reserved colour names (``cname``) and ui.perfetto.dev colours slices by
@@ -38,6 +39,8 @@ STAGE_COLOURS: dict[Stage, str] = {
     Stage.PREFILL_COMPUTE: "#882255",  # wine (compute)
     Stage.TRANSFER_KV: "#77AADD",  # light blue
     Stage.DECODE_QUEUE: "#E69F00",  # orange (waiting)
+    Stage.DECODE_DRAFT: "#CCEEFF",  # pale cyan (cheap proposals)
+    Stage.DECODE_VERIFY: "#663333",  # dark brown (a target pass, dark like compute)
     Stage.DECODE_COMPUTE: "#332288",  # indigo (compute)
     Stage.SCHEDULE_PREEMPTED: "#CC3311",  # red
     Stage.DETOKENIZE: "#BBCC33",  # pear
@@ -62,6 +65,8 @@ TRACE_COLOUR_NAMES: dict[Stage, str] = {
     Stage.PREFILL_COMPUTE: "thread_state_uninterruptible",
     Stage.TRANSFER_KV: "rail_response",
     Stage.DECODE_QUEUE: "rail_idle",
+    Stage.DECODE_DRAFT: "thread_state_sleeping",
+    Stage.DECODE_VERIFY: "thread_state_unknown",
     Stage.DECODE_COMPUTE: "light_memory_dump",
     Stage.SCHEDULE_PREEMPTED: "terrible",
     Stage.DETOKENIZE: "cq_build_passed",

@@ -39,6 +39,7 @@ __all__ = [
     "Tier",
     "CacheEventKind",
     "RequestStatus",
+    "DraftSource",
     "Column",
     "Table",
     "col",
@@ -48,6 +49,7 @@ __all__ = [
     "STEPS",
     "CACHE_EVENTS",
     "LOOP_LAGS",
+    "SPEC_STEPS",
     "INSTANCES",
     "RUN_COLUMN",
     "TABLES",
@@ -56,11 +58,14 @@ __all__ = [
     "column_names",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the on-disk layout; written into every Parquet file's metadata.
 
 2: stages ``gateway.accept`` and ``stream.relay``; ``requests.first_content_ns``
-(files of version 1 read it as null); table ``loop_lags``."""
+(files of version 1 read it as null); table ``loop_lags``.
+3: stages ``decode.draft`` and ``decode.verify``; table ``spec_steps`` (speculative decoding);
+``requests.session_name`` and ``requests.session_turn`` (files of version 2 read them as null);
+cache event kinds ``retain``, ``drop`` and ``carry``."""
 
 MIN_READABLE_SCHEMA_VERSION = 0
 """Oldest version readers still accept (version 0 is the pre-release layout)."""
@@ -79,7 +84,7 @@ NULL_INT = -1
 
 
 class Stage(enum.IntEnum):
-    """The fifteen stages a request's (and each token's) time is split into.
+    """The seventeen stages a request's (and each token's) time is split into.
 
     Each stage is an interval ``[start_ns, end_ns)``. For one request the stage
     intervals tile its lifetime without overlap; for one output token they tile
@@ -109,6 +114,12 @@ class Stage(enum.IntEnum):
     """KV blocks moved from the prefill instance to the decode instance."""
     DECODE_QUEUE = 8
     """A token waits for the step that will produce it (batch formation, other requests' prefill chunks)."""
+    DECODE_DRAFT = 15
+    """The draft proposals of this request's speculative step: draft-model forward passes, early-exit layers, or
+    n-gram prompt lookup. Only the first token a speculative step emits carries it (see docs/stages.md)."""
+    DECODE_VERIFY = 16
+    """The target model's verify pass of a speculative step, which checks the k proposals and emits the accepted
+    ones plus one. Only the first token a speculative step emits carries it."""
     DECODE_COMPUTE = 9
     """The forward step that produced the token (shared by the batch)."""
     SCHEDULE_PREEMPTED = 10
@@ -146,6 +157,8 @@ _STAGE_LABELS: dict[Stage, str] = {
     Stage.PREFILL_COMPUTE: "prefill.compute",
     Stage.TRANSFER_KV: "transfer.kv",
     Stage.DECODE_QUEUE: "decode.queue",
+    Stage.DECODE_DRAFT: "decode.draft",
+    Stage.DECODE_VERIFY: "decode.verify",
     Stage.DECODE_COMPUTE: "decode.compute",
     Stage.SCHEDULE_PREEMPTED: "schedule.preempted",
     Stage.DETOKENIZE: "detokenize",
@@ -219,6 +232,17 @@ class CacheEventKind(enum.IntEnum):
     """Offloaded prefix blocks brought back up instead of recomputed."""
     PREFETCH = 7
     """Blocks loaded ahead of need."""
+    RETAIN = 8
+    """A finished session turn's blocks held in ``tier`` for the session's next turn by the
+    retention policy: ``[turn end, release)``, released by the next turn's admission, the
+    policy's TTL, its capacity bound or the device tier running short. ``request_id``: the finished turn."""
+    DROP = 9
+    """A finished session turn's cached blocks removed from ``tier`` by the retention policy
+    at the turn's end (after an offload their copies live one tier down). ``request_id``: the finished turn."""
+    CARRY = 10
+    """At a session turn's admission: the leading prompt blocks (``num_blocks``, ``event_num_tokens``)
+    whose KV the session's previous turn had computed, whether or not they are still cached.
+    Carried minus hit blocks is what the think time cost. ``request_id``: the new turn."""
 
     @property
     def label(self) -> str:
@@ -239,6 +263,21 @@ class RequestStatus(enum.IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower()
+
+
+class DraftSource(enum.IntEnum):
+    """Where a speculative step's proposals came from."""
+
+    MODEL = 0
+    """A smaller draft model, run autoregressively with its own KV cache."""
+    NGRAM = 1
+    """N-gram prompt lookup: the continuation of the last n-gram's earlier occurrence in the context."""
+    EARLY_EXIT = 2
+    """The target model's own first layers (self-speculative early exit)."""
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
 
 
 # --------------------------------------------------------------------------- columns
@@ -289,6 +328,8 @@ class col:
     REQUEST_KEY = "request_key"
     INSTANCE_ID = "instance_id"
     TENANT = "tenant_name"
+    SESSION = "session_name"
+    SESSION_TURN = "session_turn"
     SLO_CLASS = "slo_class_name"
     ARRIVAL_NS = "arrival_ns"
     FIRST_TOKEN_NS = "first_token_ns"
@@ -334,6 +375,15 @@ class col:
     WALL_ANCHOR_NS = "wall_anchor_ns"
     CLOCK_OFFSET_NS = "clock_offset_ns"
     CLOCK_RTT_NS = "clock_rtt_ns"
+    DRAFT_SOURCE = "draft_source"
+    NUM_PROPOSED = "num_proposed"
+    NUM_ACCEPTED = "num_accepted"
+    FIRST_TOKEN_INDEX = "first_token_index"
+    DRAFT_START_NS = "draft_start_ns"
+    DRAFT_END_NS = "draft_end_ns"
+    VERIFY_START_NS = "verify_start_ns"
+    VERIFY_END_NS = "verify_end_ns"
+    NUM_SPEC_SEQS = "num_spec_seqs"
 
 
 @dataclass(frozen=True)
@@ -425,6 +475,10 @@ REQUESTS = Table(
         _i8(col.STATUS, "How the request ended (RequestStatus).", enum=RequestStatus),
         _str(col.ERROR, "Error kind or message when status is not ok; empty otherwise."),
         _str(col.TRACE_ID, "W3C / OpenTelemetry trace id (32 hex digits), empty if none."),
+        _str(col.SESSION, "Session (conversation, agent loop) the request is a turn of; empty if none. "
+             "Stored like tenant_name (an interned label)."),
+        _i32(col.SESSION_TURN, "0-based turn of the request in its session, when the client said so "
+             "(X-Session-Turn); null if unknown (analyzers then number turns by arrival).", nullable=True),
     ),
 )
 
@@ -510,6 +564,29 @@ LOOP_LAGS = Table(
     ),
 )
 
+SPEC_STEPS = Table(
+    "spec_steps",
+    "One row per request per speculative engine step: what was proposed, what the target accepted, and when the "
+    "draft and verify phases ran. A request's plain (non-speculative) decode steps have no row. Rejected draft work "
+    "is derived (draft time x rejected / proposed; verify positions wasted), never stored as a ratio.",
+    (
+        _INSTANCE_ID,
+        _REQUEST_ID,
+        _i64(col.STEP, "Engine iteration number on this instance (steps.engine_step)."),
+        _i8(col.DRAFT_SOURCE, "Where the proposals came from (DraftSource).", enum=DraftSource),
+        _count(col.NUM_PROPOSED, "Draft tokens proposed in the step (k)."),
+        _count(col.NUM_ACCEPTED, "Proposals the target accepted, 0..k; the step emitted num_accepted + 1 tokens "
+               "unless the request finished within them."),
+        _i32(col.FIRST_TOKEN_INDEX, "Index of the first output token the step emitted."),
+        _ns(col.DRAFT_START_NS, "Start of the step's draft phase."),
+        _ns(col.DRAFT_END_NS, "End of the step's draft phase."),
+        _ns(col.VERIFY_START_NS, "Start of the target's verify pass."),
+        _ns(col.VERIFY_END_NS, "End of the verify pass (accepted tokens known)."),
+        _count(col.BATCH_SIZE, "Sequences in the verify pass (speculative and plain)."),
+        _count(col.NUM_SPEC_SEQS, "Sequences of that batch that speculated in the step."),
+    ),
+)
+
 INSTANCES = Table(
     "instances",
     "One row per traced process: role, identity and clock anchors.",
@@ -543,7 +620,8 @@ RUN_COLUMN = Column(
     "engines read it as null there (DuckDB: union_by_name).")
 """A column of every stored part file, outside the tables' own column lists (see its doc)."""
 
-TABLES: dict[str, Table] = {t.name: t for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS, LOOP_LAGS, INSTANCES)}
+TABLES: dict[str, Table] = {t.name: t for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS, LOOP_LAGS, SPEC_STEPS,
+                                                  INSTANCES)}
 """Every table of a store by name."""
 
 

@@ -49,6 +49,38 @@ EXPLAIN: dict[str, str] = {
     "batch": "Decode step time and ITL by batch size: how much each extra sequence in a batch costs.",
     "interference": "For the slowest 1% of decode tokens against median ones: the batch they shared and the "
                     "other requests' prefill tokens in their step.",
+    "spec": "Speculative decoding: a step proposes k draft tokens (a draft model, n-gram lookup or early-exit "
+            "layers) and the target model's verify pass accepts a prefix of them and adds one token of its own. "
+            "Acceptance rate: accepted proposals over proposed ones. A step emits the accepted tokens plus one, fewer "
+            "when the request ends within it.",
+    "spec_position": "Left: of the steps that proposed a token at each draft position, the share whose proposal "
+                     "there was accepted (bars), and the same among the steps whose previous proposal was accepted "
+                     "(dotted line). Right: how many proposals each verify step accepted.",
+    "spec_cost": "Decode compute time (each request's draft, verify and plain decode steps) split into drafting "
+                 "whose proposals were accepted, drafting whose proposals were rejected (draft time x rejected / "
+                 "proposed), verify passes and plain decode steps. The table adds the verify positions that gave "
+                 "no token (k + 1 verified per step, minus the tokens emitted).",
+    "spec_itl": "Per batch-size bin, decode tokens of speculative steps against those of plain steps. Bars: the "
+                "measured mean ITL (the token that carries a step waits for its draft and verify; the tokens after "
+                "it follow at once). Diamonds: the engine step time amortized over the tokens the steps emitted. A "
+                "bin is marked slower (red in the table) when the speculative mean ITL is above the plain one by at "
+                "least 0.1 ms with a Holm-adjusted p < 0.05 (Welch), both sides holding at least 10 tokens. Below: "
+                "speculative against plain overall, then plain tokens beside speculating requests in a mixed batch "
+                "(they wait for its draft and longer verify pass) against plain tokens of steps without speculation.",
+    "spec_groups": "Acceptance per tenant and per request (the 1,000 requests with the most speculative steps): "
+                   "steps, proposals, accepted ones, tokens per step and the draft share of draft and verify time.",
+    "session_reuse": "For each turn number, summed over sessions: the prompt tokens whose KV the session's previous "
+                     "turn had computed (carried), split into those the prefix cache still served (by tier) and "
+                     "those lost during the think time (evicted or dropped by the retention policy) and computed "
+                     "again.",
+    "session_time": "Each session's time: the sum of its turns' TTFTs, the time spent generating (first token to "
+                    "finish) and the think (or tool-call) time between turns.",
+    "session_table": "Per session: turns, time, carried, reused and lost tokens, the reuse fraction, the prefill "
+                     "time spent recomputing lost tokens (the turn's prefill time x lost / computed prompt tokens) "
+                     "and the time loading carried KV from lower tiers.",
+    "session_turns": "Every turn: the think time before it, its TTFT and prompt, and its share of cross-turn reuse.",
+    "session_fairness": "Per tenant, counted per session and per request: a tenant whose sessions are long can look "
+                        "fair per request and slow per session (the sum of a session's TTFTs).",
     "tenant_latency": "Latency percentiles per tenant.",
     "tenant_shares": "Each tenant's share of requests, tokens and compute time (steps split by token share).",
     "jain": "Jain's fairness index J = (sum x)^2 / (n * sum x^2) of per-tenant shares (weight-normalised): "

@@ -38,11 +38,11 @@ def _values(series: pd.Series) -> list[float]:
 def _summary(src: DataSource, rid: str) -> list[Any]:
     s = src.capacity(rid, "throughput_summary")
     pct = src.capacity(rid, "percentiles")
-    load = src.result(rid, "load").row
+    offered = src.capacity(rid, "offered_load").iloc[0]["offered_rps"]  # the load analysis's figure, alone
     if len(s) == 0 or int(s.iloc[0]["num_requests"]) == 0:
         return [notice("This run has no requests with an arrival time: no throughput to measure.")]
     r = s.iloc[0]
-    cards = kpis([("offered load (arrival window)", fmt(load.get("offered_rps"), "req/s", 2)),
+    cards = kpis([("offered load (arrival window)", fmt(offered, "req/s", 2)),
                   ("completed", fmt(r["completed_rps"], "req/s", 2)),
                   ("output tokens", fmt(r["output_tokens_per_s"], "tokens/s", 1)),
                   ("prompt tokens", fmt(r["prompt_tokens_per_s"], "tokens/s", 0)),
@@ -239,7 +239,7 @@ def _cdfs(src: DataSource, rid: str, targets: dict[str, dict[str, float]]) -> li
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """The capacity view of run ``q.run``."""
     rid = src.resolve(q.run)
-    targets = slo_targets(src.result(rid, "slo"))
+    targets = slo_targets(src.capacity(rid, "slo_targets"))  # the targets only: no request judged
     prompt = src.capacity(rid, "ttft_by_prompt")
     prompt_part = graph_or_notice(prompt, "capacity-prompt", lambda f: add_slo_lines(prompt_figure(f), targets, "ttft"),
                                   "No request has both a prompt length and a first token in this run.")

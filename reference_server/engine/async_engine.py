@@ -60,7 +60,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | Seq[int], sampling: SamplingParams | Mapping[str, Any],
                        *, tenant: str | None = None, slo_class: str = "interactive",
-                       arrival_ns: int | None = None) -> AsyncIterator[TokenDelta]:
+                       arrival_ns: int | None = None, session: str = "") -> AsyncIterator[TokenDelta]:
         """Stream a request's tokens. Bad input (and a ``request_id`` whose stream is
         still open) raises ``ValueError`` on the first ``__anext__``; closing or
         cancelling the consumer aborts the request (its blocks are freed on the engine
@@ -68,7 +68,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineStoppedError("AsyncEngine is not started")
         seq = self.engine.prepare_request(request_id, prompt, sampling, tenant=tenant, slo_class=slo_class,
-                                          arrival_ns=arrival_ns)
+                                          arrival_ns=arrival_ns, session=session)
         if request_id in self._open:
             raise ValueError(f"duplicate request_id {request_id!r}")
         self._open.add(request_id)

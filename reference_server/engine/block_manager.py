@@ -24,7 +24,7 @@ from reference_server.engine.prefix_cache import PrefixMatch, extend_block_hashe
 from reference_server.engine.tiers import DEVICE, DISK, HOST, BlockPool
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from reference_server.engine.cache_policies import DropOnEvict, EvictionPolicy
     from reference_server.engine.sequence import Sequence
@@ -248,6 +248,19 @@ class BlockManager:
         table.extend(self._take_block(DEVICE) for _ in range(num_needed))
         return True
 
+    def allocate_lookahead_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Like :meth:`allocate_slots`, for positions a speculative verify pass writes after the
+        step's plan was made: only plain free blocks are taken, never an evicted cached one
+        (whose offload copy would run after the pass had overwritten it). False (nothing
+        changed) when too few are free."""
+        table = self._tables[seq.request_id]
+        num_needed = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
+        device = self.pools[DEVICE]
+        if num_needed > device.num_plain_free:
+            return False
+        table.extend(device.take_plain() for _ in range(num_needed))
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Release every block the request holds, in every tier. Tail blocks are
         released first so that, cached, they are evicted before the shared head."""
@@ -262,6 +275,47 @@ class BlockManager:
             tier, ids = swapped
             for block_id in reversed(ids):
                 self.pools[tier].release(block_id)
+
+    # ------------------------------------------------------------------ session retention
+
+    def committed_blocks(self, request_id: str) -> list[tuple[int, int]]:
+        """(device block id, prefix key) of the request's leading keyed blocks, in order."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return []
+        device, out = self.pools[DEVICE], []
+        for block_id in table[: self._num_committed.get(request_id, 0)]:
+            key = device.blocks[block_id].block_hash
+            if key is None:  # another block holds this key (a duplicate computed concurrently)
+                break
+            out.append((block_id, key))
+        return out
+
+    def offload_blocks(self, blocks: list[tuple[int, int]], request_id: str) -> list[int]:
+        """Copy device blocks (id, key) one tier down, keyed, unless already there; stops
+        when the lower tier is full. Returns the device block ids whose content the lower
+        tier now holds (copied or already there); none without a lower tier."""
+        dst_tier = OffloadOnEvict().target_tier(DEVICE, self._sizes)
+        if dst_tier is None:
+            return []
+        lower, held, done = self.pools[dst_tier], [], 0
+        for block_id, key in blocks:
+            if lower.lookup(key) is None:
+                if lower.num_free == 0:
+                    break
+                dst = self._take_block(dst_tier)
+                self._ops.append(CopyOp("offload", request_id, DEVICE, (block_id,), dst_tier, (dst,)))
+                lower.register(dst, key)
+                lower.release(dst)
+                done += 1
+            held.append(block_id)
+        self.num_transferred_blocks["offload"] += done
+        return held
+
+    def forget_cached(self, block_ids: Iterable[int]) -> int:
+        """Drop the keys of those device blocks that are cached and free. Returns how many."""
+        device = self.pools[DEVICE]
+        return sum(1 for block_id in block_ids if device.forget(block_id))
 
     # ------------------------------------------------------------------ swap, prefetch
 

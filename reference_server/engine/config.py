@@ -9,11 +9,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+RETENTION_POLICIES = ("lru", "keep", "offload", "drop")
+"""KV retention policies between a session's turns (:mod:`reference_server.engine.retention`)."""
+from reference_server.model.bundled import resolve_checkpoint
+
 __all__ = [
     "DEFAULT_SLO_CLASSES",
     "DEFAULT_TENANTS",
     "PREEMPTION_MODES",
     "SCHEDULING_POLICIES",
+    "SPECULATIVE_SOURCES",
     "EngineConfig",
     "SLOClass",
     "TenantConfig",
@@ -22,6 +27,10 @@ __all__ = [
 PREEMPTION_MODES = ("recompute", "swap")
 """``recompute`` drops a victim's KV and recomputes it on resume; ``swap`` copies it to
 the host (or disk) tier and back."""
+
+SPECULATIVE_SOURCES = ("model", "ngram", "early_exit")
+"""Where speculative proposals come from: a draft model with its own KV cache, n-gram
+lookup in the request's own tokens, or the target's first layers (early exit)."""
 
 SCHEDULING_POLICIES = ("fcfs", "slo", "fair")
 """Order of waiting requests: first come first served (baseline), earliest TTFT
@@ -110,7 +119,7 @@ class EngineConfig:
     sequence always fits in the device tier (otherwise it could never be scheduled).
     """
 
-    model: str = "tiny"  # ModelConfig preset name, ignored when checkpoint is set
+    model: str = "tiny"  # ModelConfig preset or bundled model name (model.bundled), ignored when checkpoint is set
     checkpoint: str | None = None  # local HF-format folder
     seed: int = 0  # weight init seed for random models
     device: str | None = None  # None = cuda if available else cpu
@@ -131,9 +140,19 @@ class EngineConfig:
     prefetch_waiting: bool = True  # bring waiting requests' lower-tier prefixes up early
     max_prefetch_blocks_per_step: int = 16
     watermark_blocks: int = 0  # free device blocks kept back when admitting new requests
+    kv_retention: str = "lru"  # a finished session turn's blocks: lru | keep | offload | drop (engine/retention.py)
+    kv_retention_ttl_s: float | None = None  # longest a "keep" pin lasts; None = until the next turn
+    kv_retention_max_blocks: int | None = None  # most device blocks pinned at once; None = half the device tier
     slo_classes: tuple[SLOClass, ...] = DEFAULT_SLO_CLASSES
     tenants: tuple[TenantConfig, ...] = DEFAULT_TENANTS
     default_tenant: str = "default"
+    # speculative decoding (engine/speculative.py)
+    speculative: str | None = None  # draft source: model | ngram | early_exit; None = off
+    num_speculative_tokens: int = 4  # proposals per request per step (k) while the batch is small
+    speculative_budget: int = 16  # proposals per step over the batch: k = min(k, budget // decodes); 0 = off
+    speculative_draft_model: str = "trained-draft"  # source "model": a bundled model, preset or checkpoint folder
+    speculative_exit_layer: int = 2  # source "early_exit": target layers the draft runs
+    speculative_ngram_min: int = 2  # source "ngram": shortest suffix looked up (of 3 down to this)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_device_blocks", "max_num_batched_tokens", "max_num_seqs")
@@ -143,6 +162,12 @@ class EngineConfig:
         for fname in ("num_host_blocks", "num_disk_blocks", "max_prefetch_blocks_per_step", "watermark_blocks"):
             if getattr(self, fname) < 0:
                 raise ValueError(f"EngineConfig.{fname} must be >= 0, got {getattr(self, fname)!r}")
+        if self.kv_retention not in RETENTION_POLICIES:
+            raise ValueError(f"EngineConfig.kv_retention must be one of {RETENTION_POLICIES}, got {self.kv_retention!r}")
+        if self.kv_retention_ttl_s is not None and not self.kv_retention_ttl_s > 0:
+            raise ValueError(f"EngineConfig.kv_retention_ttl_s must be positive, got {self.kv_retention_ttl_s!r}")
+        if self.kv_retention_max_blocks is not None and self.kv_retention_max_blocks < 0:
+            raise ValueError(f"EngineConfig.kv_retention_max_blocks must be >= 0, got {self.kv_retention_max_blocks!r}")
         if self.watermark_blocks >= self.num_device_blocks:
             raise ValueError("EngineConfig.watermark_blocks must be smaller than num_device_blocks")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -165,6 +190,24 @@ class EngineConfig:
             raise ValueError("EngineConfig.slo_classes must not be empty")
         if self.default_tenant not in {t.name for t in self.tenants}:
             raise ValueError(f"EngineConfig.default_tenant {self.default_tenant!r} is not among tenants")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_SOURCES:
+            raise ValueError(
+                f"EngineConfig.speculative must be one of {SPECULATIVE_SOURCES} or None, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"EngineConfig.num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
+        if self.speculative_budget < 0:
+            raise ValueError(f"EngineConfig.speculative_budget must be >= 0, got {self.speculative_budget!r}")
+        if not 1 <= self.speculative_ngram_min <= 3:
+            raise ValueError(f"EngineConfig.speculative_ngram_min must be in [1, 3], got {self.speculative_ngram_min!r}")
+        if self.speculative_exit_layer < 1:
+            raise ValueError(f"EngineConfig.speculative_exit_layer must be >= 1, got {self.speculative_exit_layer!r}")
+
+    @property
+    def checkpoint_path(self) -> str | None:
+        """The checkpoint folder to load: ``checkpoint``, else a bundled model's folder
+        (``model="trained"``), else None (a preset with seeded random weights)."""
+        return resolve_checkpoint(self.model, self.checkpoint)
 
     def resolve_max_model_len(self, context_window: int) -> int:
         """Longest sequence (prompt + output tokens) the engine accepts."""

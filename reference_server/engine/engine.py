@@ -31,15 +31,18 @@ from reference_server.engine.hooks import (
     RequestPreempted,
     RequestQueued,
     RequestScheduled,
+    SpeculativeStep,
     StepEnd,
     StepStart,
     TierTransfer,
     TokenEmitted,
 )
 from reference_server.engine.outputs import Completion, EngineStats, RequestOutput
+from reference_server.engine.retention import SessionRetention
 from reference_server.engine.scheduler import Scheduler, SchedulerOutput
 from reference_server.engine.scheduling_policies import make_scheduling_policy
-from reference_server.engine.sequence import FinishReason, PreemptionMode, Sequence, StopChecker
+from reference_server.engine.sequence import FinishReason, PreemptionMode, Sequence, SequenceStatus, StopChecker
+from reference_server.engine.speculative import SpecRequest, SpeculationPolicy, Speculator
 from reference_server.model import (
     IncrementalDetokenizer,
     ModelConfig,
@@ -63,16 +66,17 @@ class Engine:
                  tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         if runner is None:
-            model_config = None if config.checkpoint else ModelConfig.preset(config.model)
+            checkpoint = config.checkpoint_path  # a bundled model by name, too
+            model_config = None if checkpoint else ModelConfig.preset(config.model)
             runner = ModelRunner(
                 model_config, block_size=config.block_size, num_device_blocks=config.num_device_blocks,
                 num_host_blocks=config.num_host_blocks, num_disk_blocks=config.num_disk_blocks,
-                disk_path=config.disk_path, device=config.device, checkpoint=config.checkpoint, seed=config.seed)
+                disk_path=config.disk_path, device=config.device, checkpoint=checkpoint, seed=config.seed)
         elif runner.block_size != config.block_size:
             raise ValueError(f"runner block_size {runner.block_size} != config block_size {config.block_size}")
         self.runner = runner
         self.model_config = runner.config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.checkpoint)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.checkpoint_path)
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position)
         self.block_manager = BlockManager(
             block_size=config.block_size, num_device_blocks=config.num_device_blocks,
@@ -88,8 +92,18 @@ class Engine:
             block_manager=self.block_manager, policy=policy, tenants={t.name: t for t in config.tenants},
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=PreemptionMode(config.preemption_mode), prefetch=prefetch)
+            preemption_mode=PreemptionMode(config.preemption_mode), prefetch=prefetch,
+            retention=SessionRetention(self.block_manager, config.kv_retention, ttl_s=config.kv_retention_ttl_s,
+                                       max_pinned_blocks=config.kv_retention_max_blocks))
         self.sampler = Sampler()
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = Speculator(
+                config.speculative, target=runner,
+                policy=SpeculationPolicy(config.num_speculative_tokens, config.speculative_budget),
+                draft_model=config.speculative_draft_model, exit_layer=config.speculative_exit_layer,
+                ngram_min=config.speculative_ngram_min,
+                seed=config.seed + 1)
         self._observers: list[Any] = []
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_steps = 0
@@ -122,7 +136,7 @@ class Engine:
 
     def prepare_request(self, request_id: str, prompt: str | Seq[int], sampling: SamplingParams | Mapping[str, Any],
                         *, tenant: str | None = None, slo_class: str = "interactive",
-                        arrival_ns: int | None = None) -> Sequence:
+                        arrival_ns: int | None = None, session: str = "") -> Sequence:
         """Validate and tokenize a request without touching engine state (any thread).
         Raises ``ValueError`` naming the problem."""
         if not isinstance(request_id, str) or not request_id:
@@ -140,7 +154,8 @@ class Engine:
                              "tokens, and at least one must be left for output")
         now = time.monotonic_ns()  # engine monotonic clock, ns
         return Sequence(request_id, token_ids, sampling, seq_no=-1, tenant=tenant, slo_class=slo,
-                        arrival_ns=now if arrival_ns is None else int(arrival_ns), max_len=self.max_model_len)
+                        arrival_ns=now if arrival_ns is None else int(arrival_ns), max_len=self.max_model_len,
+                        session=session or "")
 
     def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -158,12 +173,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int], sampling: SamplingParams | Mapping[str, Any],
                     *, tenant: str | None = None, slo_class: str = "interactive",
-                    arrival_ns: int | None = None) -> None:
+                    arrival_ns: int | None = None, session: str = "") -> None:
         """Validate and queue a request. ``ValueError`` (engine state untouched) on bad
         input: empty or too long prompt, bad sampling options, duplicate id, unknown
         tenant or SLO class. ``arrival_ns`` is on the engine monotonic clock."""
         seq = self.prepare_request(request_id, prompt, sampling, tenant=tenant, slo_class=slo_class,
-                                   arrival_ns=arrival_ns)
+                                   arrival_ns=arrival_ns, session=session)
         self.add_prepared(seq)
 
     def add_prepared(self, seq: Sequence) -> None:
@@ -179,7 +194,8 @@ class Engine:
         if self._observers:
             now = time.monotonic_ns()
             self._emit("on_request_added", RequestAdded(
-                seq.request_id, seq.tenant, seq.slo_class.name, seq.arrival_ns, now, seq.num_prompt_tokens))
+                seq.request_id, seq.tenant, seq.slo_class.name, seq.arrival_ns, now, seq.num_prompt_tokens,
+                seq.session))
             self._emit("on_request_queued", RequestQueued(seq.request_id, now, self.scheduler.num_waiting))
 
     def abort(self, request_id: str) -> bool:
@@ -247,17 +263,31 @@ class Engine:
         if observed:
             self._emit_plan(plan, step)
         self._execute_copies(plan, step)
-        compute_start_ns = time.monotonic_ns()
-        sampled = self._run_model(plan)
+        draft_start_ns = time.monotonic_ns()
+        spec: dict[str, SpecRequest] = {}  # the requests that speculate in this step, by id
+        if self.speculator is not None:
+            spec = self.speculator.draft_phase(plan, self.scheduler.running, self.block_manager)
+        compute_start_ns = time.monotonic_ns()  # the draft phase's end: the target's (verify) pass begins
+        sampled = self._run_model(plan, spec)
         compute_end_ns = time.monotonic_ns()
         self.scheduler.update(plan, sampled, compute_ns=compute_end_ns - compute_start_ns)
-        outputs = self._process_samples(plan, step, compute_end_ns)
+        if spec and observed:
+            for req in spec.values():
+                self._emit("on_speculative_step", SpeculativeStep(
+                    req.seq.request_id, step, self.config.speculative or "", len(req.proposals), req.num_accepted,
+                    req.first_token_index, draft_start_ns, compute_start_ns, compute_start_ns, compute_end_ns,
+                    len(plan.chunks), len(spec)))
+        outputs = self._process_samples(plan, step, compute_end_ns, spec)
+        for retention_event in self.scheduler.retention.take_events():  # drained even when nobody listens
+            if observed:
+                self._emit("on_retention", retention_event)
         if observed:
             usage = self.block_manager.usage()
             self._emit("on_step_end", StepEnd(
                 step, start_ns, compute_start_ns, compute_end_ns, time.monotonic_ns(),
                 tuple(BatchEntry(c.request_id, c.num_tokens if c.is_prefill else 0,
-                                 0 if c.is_prefill else c.num_tokens) for c in plan.chunks),
+                                 0 if c.is_prefill else c.num_tokens + len(spec[c.request_id].proposals)
+                                 if c.request_id in spec else c.num_tokens) for c in plan.chunks),
                 plan.num_waiting, plan.num_running, plan.num_preempted, usage.num_used, usage.num_total))
         return outputs
 
@@ -288,36 +318,68 @@ class Engine:
                 op.kind, op.request_id, step, op.src_tier, op.dst_tier, op.num_blocks, num_bytes,
                 start_ns, time.monotonic_ns()))
 
-    def _run_model(self, plan: SchedulerOutput) -> dict[str, int]:
-        """Forward the batch; return the sampled token of every sampling chunk."""
+    def _run_model(self, plan: SchedulerOutput, spec: Mapping[str, SpecRequest]) -> dict[str, int]:
+        """Forward the batch (a speculating request's chunk is its last token and its
+        proposals, with logits for each); return the first new token of every sampling chunk."""
         if not plan.chunks:
             return {}
         running, bm = self.scheduler.running, self.block_manager
         chunks, samplers = [], []
         for c in plan.chunks:
             seq = running[c.request_id]
-            chunks.append(SeqChunk(tuple(seq.token_ids[c.start_pos:c.start_pos + c.num_tokens]), c.start_pos,
-                                   bm.block_table(c.request_id), want_logits=c.samples))
+            tokens = tuple(seq.token_ids[c.start_pos:c.start_pos + c.num_tokens])
+            req = spec.get(c.request_id)
+            if req is not None:
+                tokens += tuple(req.proposals)
+            chunks.append(SeqChunk(tokens, c.start_pos, bm.block_table(c.request_id), want_logits=c.samples,
+                                   num_logits=1 if req is None else len(tokens)))
             if c.samples:
                 samplers.append(seq)
             if c.is_prefill:
                 self._counters["prompt_tokens"] += c.num_tokens
-        logits = self.runner.execute(chunks)  # (num sampling chunks, vocab)
+        logits = self.runner.execute(chunks)  # (sampling rows: 1 per chunk, k + 1 per verify chunk, vocab)
         if not samplers:
             return {}
-        for s in samplers:  # token i's draws depend on (seed, i) only: handoff and resume reproduce them
+        plain_rows, plain, out, row = [], [], {}, 0
+        for s in samplers:
+            req = spec.get(s.request_id)
+            if req is None:
+                plain_rows.append(row)
+                plain.append(s)
+                row += 1
+                continue
+            assert self.speculator is not None
+            self.speculator.accept(req, logits[row:row + len(req.proposals) + 1])
+            out[s.request_id] = req.emitted[0]
+            row += len(req.proposals) + 1
+        for s in plain:  # token i's draws depend on (seed, i) only: handoff and resume reproduce them
             if s.generator is not None:
                 s.generator.manual_seed(seed_for_token(s.sampling.seed, s.num_output_tokens))
-        tokens = self.sampler.sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
-        return {s.request_id: t for s, t in zip(samplers, tokens)}
+        if plain:
+            plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            tokens = self.sampler.sample(plain_logits, [s.sampling for s in plain], [s.generator for s in plain])
+            out.update((s.request_id, t) for s, t in zip(plain, tokens))
+        return out
 
-    def _process_samples(self, plan: SchedulerOutput, step: int, sampled_ns: int) -> list[RequestOutput]:
+    def _process_samples(self, plan: SchedulerOutput, step: int, sampled_ns: int,
+                         spec: Mapping[str, SpecRequest]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for c in plan.chunks:
             if not c.samples:
                 continue
             seq = self.scheduler.running[c.request_id]
             outputs.append(self._emit_token(seq, step, sampled_ns))
+            req = spec.get(c.request_id)
+            if req is None:
+                continue
+            for token in req.emitted[1:]:  # the step's further tokens, unless the request finished
+                if seq.status is SequenceStatus.FINISHED:
+                    break
+                seq.num_computed_tokens += 1  # the token before it was an accepted proposal: its KV is valid
+                seq.token_ids.append(token)
+                outputs.append(self._emit_token(seq, step, sampled_ns))
+            if seq.status is not SequenceStatus.FINISHED:
+                self.block_manager.commit(seq)
         return outputs
 
     def _emit_token(self, seq: Sequence, step: int, sampled_ns: int) -> RequestOutput:

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 __all__ = [
     "BatchEntry", "CacheLookup", "Evicted", "EngineObserver", "EngineObserverProtocol", "RecordingObserver",
     "RequestAborted", "RequestAdded", "RequestFinished", "RequestPreempted", "RequestQueued",
-    "RequestResumed", "RequestScheduled", "StepEnd", "StepStart", "TierTransfer", "TokenEmitted",
+    "RequestResumed", "RequestScheduled", "RetentionEvent", "SpeculativeStep", "StepEnd", "StepStart", "TierTransfer",
+    "TokenEmitted",
 ]
 
 
@@ -39,6 +40,7 @@ class RequestAdded:
     arrival_ns: int  # when the request reached the server (caller's stamp), engine monotonic clock
     added_ns: int  # when the engine accepted it
     num_prompt_tokens: int
+    session: str = ""  # the session (conversation) the request is a turn of; "" = none
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,26 @@ class Evicted:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionEvent:
+    """A decision of the session KV retention policy (:mod:`reference_server.engine.retention`).
+
+    ``kind``: ``retain`` (``num_blocks`` of turn ``request_id`` were pinned for ``session``
+    over ``[start_ns, end_ns)``), ``drop`` (the finished turn's cached blocks were
+    forgotten at ``start_ns``) or ``carry`` (new turn ``request_id`` was admitted;
+    ``num_blocks`` leading prompt blocks had been computed by the session's previous turn)."""
+
+    kind: str
+    session: str
+    request_id: str
+    step: int
+    tier: int
+    num_blocks: int
+    num_tokens: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepStart:
     step: int
     start_ns: int
@@ -158,6 +180,33 @@ class TokenEmitted:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeStep:
+    """A request's speculative step (:mod:`reference_server.engine.speculative`): ``source``
+    (``model``, ``ngram`` or ``early_exit``) proposed ``num_proposed`` tokens over
+    ``[draft_start_ns, draft_end_ns)`` (the step's draft phase, shared by the requests that
+    speculated in it), the target checked them in the verify pass
+    ``[verify_start_ns, verify_end_ns)`` (the step's forward pass, shared by the whole batch)
+    and accepted ``num_accepted``; the step then emits tokens ``first_token_index`` ...
+    ``first_token_index + num_accepted`` (fewer if the request finishes within them), each
+    with its own :class:`TokenEmitted`. Sent after the verify pass, before those tokens.
+    ``batch_size``: sequences in the verify pass; ``num_spec_seqs``: how many of them
+    speculated. Requests of the step without this event decoded plainly."""
+
+    request_id: str
+    step: int
+    source: str
+    num_proposed: int
+    num_accepted: int
+    first_token_index: int
+    draft_start_ns: int
+    draft_end_ns: int
+    verify_start_ns: int
+    verify_end_ns: int
+    batch_size: int
+    num_spec_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
 class RequestPreempted:
     request_id: str
     step: int
@@ -202,10 +251,12 @@ class EngineObserverProtocol(Protocol):
     def on_step_start(self, event: StepStart) -> None: ...
     def on_step_end(self, event: StepEnd) -> None: ...
     def on_token_emitted(self, event: TokenEmitted) -> None: ...
+    def on_speculative_step(self, event: SpeculativeStep) -> None: ...
     def on_request_preempted(self, event: RequestPreempted) -> None: ...
     def on_request_resumed(self, event: RequestResumed) -> None: ...
     def on_request_finished(self, event: RequestFinished) -> None: ...
     def on_request_aborted(self, event: RequestAborted) -> None: ...
+    def on_retention(self, event: RetentionEvent) -> None: ...
 
 
 class EngineObserver:
@@ -238,6 +289,9 @@ class EngineObserver:
     def on_token_emitted(self, event: TokenEmitted) -> None:
         return None
 
+    def on_speculative_step(self, event: SpeculativeStep) -> None:
+        return None
+
     def on_request_preempted(self, event: RequestPreempted) -> None:
         return None
 
@@ -248,6 +302,9 @@ class EngineObserver:
         return None
 
     def on_request_aborted(self, event: RequestAborted) -> None:
+        return None
+
+    def on_retention(self, event: RetentionEvent) -> None:
         return None
 
 
@@ -290,6 +347,9 @@ class RecordingObserver(EngineObserver):
     def on_token_emitted(self, event: TokenEmitted) -> None:
         self.events.append(event)
 
+    def on_speculative_step(self, event: SpeculativeStep) -> None:
+        self.events.append(event)
+
     def on_request_preempted(self, event: RequestPreempted) -> None:
         self.events.append(event)
 
@@ -300,4 +360,7 @@ class RecordingObserver(EngineObserver):
         self.events.append(event)
 
     def on_request_aborted(self, event: RequestAborted) -> None:
+        self.events.append(event)
+
+    def on_retention(self, event: RetentionEvent) -> None:
         self.events.append(event)

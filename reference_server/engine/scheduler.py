@@ -34,6 +34,7 @@ from reference_server.engine.block_manager import BlockManager, CopyOp
 from reference_server.engine.cache_policies import NoPrefetch, PrefetchWaitingPrefixes
 from reference_server.engine.config import TenantConfig
 from reference_server.engine.hooks import CacheLookup, Evicted, RequestPreempted, RequestResumed
+from reference_server.engine.retention import SessionRetention
 from reference_server.engine.scheduling_policies import SchedulingPolicy
 from reference_server.engine.sequence import FinishReason, PreemptionMode, Sequence, SequenceStatus
 
@@ -123,6 +124,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
         prefetch: PrefetchWaitingPrefixes | NoPrefetch | None = None,
+        retention: SessionRetention | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.policy = policy
@@ -132,6 +134,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.prefetch = prefetch if prefetch is not None else NoPrefetch()
+        self.retention = retention if retention is not None else SessionRetention(block_manager)
         self.waiting: dict[str, Sequence] = {}  # insertion ordered; sorted by policy per step
         self.running: dict[str, Sequence] = {}
         self.num_preempted = 0  # waiting requests that were preempted
@@ -163,8 +166,9 @@ class Scheduler:
         self.waiting[seq.request_id] = seq
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a request (running or waiting): free its blocks in every tier."""
-        self._remove(seq)
+        """End a request (running or waiting): free its blocks in every tier (the session
+        retention policy decides what becomes of a session turn's cached blocks)."""
+        self.retention.end_turn(seq, self._remove, time.monotonic_ns())
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -200,6 +204,8 @@ class Scheduler:
         """Plan engine step number ``step`` at engine time ``now_ns`` (monotonic, ns)."""
         for tenant in self.tenants.values():
             tenant.refill(now_ns)
+        self.retention.step = step
+        self.retention.expire(now_ns)
         plan = _StepPlan(self.max_num_batched_tokens, step)
         self._schedule_running(plan)
         order = sorted(self.waiting.values(), key=self.policy.waiting_key)
@@ -244,6 +250,8 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.block_manager.allocate_slots(seq, n):
+                if self.retention.may_release_oldest(time.monotonic_ns()):
+                    continue  # a session's pinned blocks yield before any running request is preempted
                 victim = max(
                     (s for s in self.running.values() if s.request_id not in plan.scheduled_ids),
                     key=self.policy.victim_key,
@@ -276,7 +284,12 @@ class Scheduler:
             start_ns = time.monotonic_ns()  # engine monotonic clock, ns
             match = bm.match_prefix(seq)
             n = self._chunk_size(seq, plan.budget, num_computed=match.num_tokens)
-            if n == 0 or bm.allocate_new(seq, match, n) is None:
+            if n == 0:
+                break
+            admitted = bm.allocate_new(seq, match, n)
+            while admitted is None and self.retention.may_release_oldest(time.monotonic_ns()):
+                admitted = bm.allocate_new(seq, match, n)  # releasing a pin evicts nothing: the match holds
+            if admitted is None:
                 break
             plan.lookups.append(CacheLookup(
                 seq.request_id, plan.step, start_ns, time.monotonic_ns(), seq.num_tokens, match.num_tokens,
@@ -285,6 +298,7 @@ class Scheduler:
             is_new = seq.status is SequenceStatus.WAITING
             if is_new:
                 seq.num_cached_tokens = match.num_tokens
+                self.retention.admitted(seq, match, time.monotonic_ns())
             self._to_running(seq, plan, None if is_new else PreemptionMode.RECOMPUTE)
             seq.prefill_end = seq.num_tokens
             self._add_chunk(plan, seq, n, is_new=is_new)

@@ -45,7 +45,7 @@ class Sequence:
     __slots__ = (
         "request_id", "seq_no", "token_ids", "num_prompt_tokens", "sampling", "tenant", "slo_class",
         "arrival_ns", "status", "num_computed_tokens", "prefill_end", "num_cached_tokens",
-        "block_hashes", "preempt_mode", "finish_reason", "generator", "stop", "max_len",
+        "block_hashes", "preempt_mode", "finish_reason", "generator", "stop", "max_len", "session",
     )
 
     def __init__(
@@ -59,6 +59,7 @@ class Sequence:
         slo_class: SLOClass,
         arrival_ns: int,
         max_len: int,
+        session: str = "",
     ) -> None:
         self.request_id = request_id
         self.seq_no = seq_no  # arrival order, breaks ties between equal timestamps
@@ -67,6 +68,7 @@ class Sequence:
         self.sampling = sampling  # model.sampling.SamplingParams
         self.tenant = tenant
         self.slo_class = slo_class
+        self.session = session  # the session (conversation) this request is a turn of; "" = none
         self.arrival_ns = arrival_ns  # engine monotonic clock, ns
         self.max_len = max_len  # prompt + output tokens cap (context window)
         self.status = SequenceStatus.WAITING

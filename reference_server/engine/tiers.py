@@ -114,6 +114,18 @@ class BlockPool:
         self._by_hash[block_hash] = block_id
         return True
 
+    def forget(self, block_id: int) -> bool:
+        """Drop a cached free block's key, making it plain free; False (nothing changed)
+        unless the block is cached and free."""
+        block = self.blocks[block_id]
+        if block.ref_count != 0 or block.block_hash is None:
+            return False
+        self.evictable.remove(block_id)
+        del self._by_hash[block.block_hash]
+        block.block_hash = None
+        self._free.append(block_id)
+        return True
+
     def free_ids(self) -> list[int]:
         """Plain free block ids, next handed out first (for tests)."""
         return self._free[::-1]

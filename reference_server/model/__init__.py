@@ -9,7 +9,10 @@ Public API (what the engine uses):
 * :class:`SamplingParams`, :class:`Sampler`, :func:`make_generator`, :func:`seed_for_token`;
 * :class:`Tokenizer`, :class:`ByteTokenizer`, :class:`HFTokenizer`,
   :class:`IncrementalDetokenizer`, :func:`load_tokenizer`, :func:`apply_chat_template`;
-* :func:`load_checkpoint` / :func:`save_checkpoint` for HF-format folders.
+* :func:`load_checkpoint` / :func:`save_checkpoint` for HF-format folders;
+* :mod:`~reference_server.model.bundled` (the trained models shipped with the package, by name),
+  :mod:`~reference_server.model.draft` (draft models of speculative decoding) and
+  :mod:`~reference_server.model.train` (how the bundled models were trained).
 """
 
 from __future__ import annotations

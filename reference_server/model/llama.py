@@ -189,14 +189,17 @@ class LlamaModel(nn.Module):
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
+                meta: AttentionMetadata, kv_caches: Sequence[KVCache], *,
+                num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``(num_tokens, hidden)`` of a flattened batch of chunks.
 
         ``token_ids``, ``positions``: ``(num_tokens,)`` int64. Writes each layer's
-        new K/V into ``kv_caches[layer]`` at ``meta.slot_mapping``.
+        new K/V into ``kv_caches[layer]`` at ``meta.slot_mapping``. ``num_layers``
+        runs only the first layers (early exit: the final norm still applies).
         """
+        n = self.config.num_layers if num_layers is None else num_layers
         x = self.model.embed_tokens(token_ids)  # (num_tokens, hidden)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, cache in zip(self.model.layers[:n], kv_caches[:n], strict=True):
             x = layer(x, positions, meta, cache)
         return self.model.norm(x)
 

@@ -31,12 +31,34 @@ class SeqChunk:
     tokens already have their KV in the cache). ``block_table`` lists the device
     block ids covering positions ``[0, start_pos + len(token_ids))``, in order.
     ``want_logits`` is False for non-final prefill chunks (no logits row returned).
+    ``num_logits``: rows returned for the chunk's last tokens (a speculative verify chunk
+    asks for one per position; 1 otherwise).
     """
 
     token_ids: tuple[int, ...]
     start_pos: int
     block_table: tuple[int, ...]
     want_logits: bool = True
+    num_logits: int = 1
+
+
+MAX_VERIFY_ROWS = 16
+"""A chunk that wants logits at every position (a speculative verify chunk) of at most this
+many tokens runs as that many one-token rows through the decode kernel: each row attends to
+the positions up to its own, after every row's keys and values were written, which is the
+chunk's causal attention; on the CPU it is cheaper than the prefill path, and its arithmetic
+is plain decoding's."""
+
+
+def _verify_as_decode_rows(chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
+    out: list[SeqChunk] = []
+    for c in chunks:
+        n = len(c.token_ids)
+        if c.want_logits and 1 < n == c.num_logits <= MAX_VERIFY_ROWS:
+            out.extend(SeqChunk((t,), c.start_pos + i, c.block_table) for i, t in enumerate(c.token_ids))
+        else:
+            out.append(c)
+    return out
 
 
 def num_blocks_for_memory(config: ModelConfig, num_bytes: int, block_size: int) -> int:
@@ -100,11 +122,13 @@ class ModelRunner:
         self._num_device_blocks = num_device_blocks
         self._buffers = GatherBuffers()
 
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[SeqChunk], *, num_layers: int | None = None) -> torch.Tensor:
         """One forward pass over all ``chunks``; writes their K/V into the device tier.
 
-        Returns float32 logits ``(num_chunks_with_want_logits, vocab_size)`` for
-        each chunk's last token, in chunk order (on the runner's device).
+        Returns float32 logits ``(rows, vocab_size)``: ``num_logits`` rows (the last
+        tokens', in position order) per chunk with ``want_logits``, in chunk order (on
+        the runner's device). ``num_layers`` runs only the first layers (early exit;
+        the other layers' cache is untouched).
         Raises ValueError on bad chunks (empty, out-of-range token or block ids,
         block table too short, past the context window) before touching the cache.
         """
@@ -112,10 +136,14 @@ class ModelRunner:
             self._check_chunk(chunk)
         if not chunks:
             return torch.empty((0, self.config.vocab_size), device=self.device)
+        if num_layers is not None and not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
         with torch.inference_mode():
-            return self._forward(chunks)
+            return self._forward(chunks, num_layers)
 
-    def _forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def _forward(self, chunks: Sequence[SeqChunk], num_layers: int | None = None) -> torch.Tensor:
+        if self.decode_kernel and any(c.num_logits > 1 for c in chunks):
+            chunks = _verify_as_decode_rows(chunks)
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -123,7 +151,7 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
             if chunk.want_logits:
-                logit_rows.append(len(token_ids) - 1)
+                logit_rows.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
         meta = build_attention_metadata(
             [len(c.token_ids) for c in chunks], [c.start_pos for c in chunks],
             [c.block_table for c in chunks], block_size=self.block_size, device=self.device,
@@ -131,7 +159,7 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta, self._kv_caches)  # (num_tokens, hidden)
+            meta, self._kv_caches, num_layers=num_layers)  # (num_tokens, hidden)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows])  # (num_logit_rows, vocab)
 
@@ -139,6 +167,8 @@ class ModelRunner:
         length = len(chunk.token_ids)
         if length == 0:
             raise ValueError("SeqChunk.token_ids is empty")
+        if not 1 <= chunk.num_logits <= length:
+            raise ValueError(f"SeqChunk.num_logits must be in [1, {length}], got {chunk.num_logits}")
         if chunk.start_pos < 0:
             raise ValueError(f"SeqChunk.start_pos must be >= 0, got {chunk.start_pos}")
         end = chunk.start_pos + length

@@ -50,6 +50,7 @@ class GenerateRequest:
     arrival_ns: int  # gateway monotonic clock (time.monotonic_ns()), ns
     ttft_deadline_ns: int  # arrival + the class's TTFT target; EDF key for redispatch, ns
     traceparent: str | None = None  # W3C trace context, forwarded to workers untouched
+    session: str = ""  # the session (conversation) the request is a turn of, for KV retention; "" = none
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +206,7 @@ class LocalBackend:
             raise BackendUnavailable(f"backend {self.name!r} is not started")
         start_ns = time.monotonic_ns()
         seq = self.engine.prepare_request(req.request_id, req.prompt_token_ids, req.sampling, tenant=req.tenant,
-                                          slo_class=req.slo_class, arrival_ns=req.arrival_ns)
+                                          slo_class=req.slo_class, arrival_ns=req.arrival_ns, session=req.session)
         if self._observers:
             self._observers.emit("on_route", RouteDecision(
                 req.request_id, "local", self.name, None, start_ns, time.monotonic_ns(), (), 0))

@@ -104,8 +104,9 @@ class ClusterBackend:
                 self.workers[f"{role}-{i}"] = self._make_handle(f"{role}-{i}", role)
         self._by_wid: dict[str, _Inflight] = {}
         self._observers = ObserverList()
-        self._tokenizer = load_tokenizer(engine_config.checkpoint)
-        model_config = (ModelConfig.from_hf_config(engine_config.checkpoint) if engine_config.checkpoint
+        checkpoint = engine_config.checkpoint_path  # a bundled model by name, too
+        self._tokenizer = load_tokenizer(checkpoint)
+        model_config = (ModelConfig.from_hf_config(checkpoint) if checkpoint
                         else ModelConfig.preset(engine_config.model))
         self._max_model_len = engine_config.resolve_max_model_len(model_config.max_position)
         self.num_redispatched = 0  # counter
@@ -257,7 +258,7 @@ class ClusterBackend:
             "type": "generate", "wid": st.wid, "request_id": req.request_id, "prompt": list(prompt),
             "sampling": sampling_to_dict(req.sampling), "tenant": req.tenant, "slo_class": req.slo_class,
             "arrival_ns": req.arrival_ns, "resume_tokens": resume, "handoff_to": handoff,
-            "traceparent": req.traceparent})
+            "traceparent": req.traceparent, "session": req.session})
         decision = RouteDecision(req.request_id, self.router.policy, first, decode, start_ns, time.monotonic_ns(),
                                  scores, st.attempt)
         if self._observers:

@@ -50,7 +50,13 @@ from reference_server.serving.gateway_hooks import (
     RequestReceived,
     Tokenized,
 )
-from reference_server.serving.gateway_intake import InFlightIds, RequestContext, read_json_body, request_id_for
+from reference_server.serving.gateway_intake import (
+    InFlightIds,
+    RequestContext,
+    read_json_body,
+    request_id_for,
+    session_of,
+)
 from reference_server.serving.gateway_metrics import GatewayMetrics
 from reference_server.serving.gateway_openai import (
     CHAT,
@@ -223,7 +229,8 @@ class Gateway:
             sampling = self._sampling(parsed, len(prompt_ids))
             slo = self._slo[ctx.slo_class]
             req = GenerateRequest(ctx.backend_id, prompt_ids, sampling, ctx.tenant, ctx.slo_class, ctx.arrival_ns,
-                                  ctx.arrival_ns + int(slo.ttft_ms * 1e6), ctx.traceparent)
+                                  ctx.arrival_ns + int(slo.ttft_ms * 1e6), ctx.traceparent,
+                                  session_of(request.headers.get("x-session-id"), parsed.user))
             response = GenerationResponse(self if ctx.traced else self._untraced, ctx, req)
             handed_over = True
             return _Releasing(response, lambda: self._ids.release(ctx))
@@ -244,7 +251,7 @@ class Gateway:
         if ctx.traced and self.hooks.observers:
             self.hooks.emit("on_request_received", RequestReceived(
                 ctx.request_id, arrival_ns, ctx.endpoint, ctx.tenant, headers.get("x-slo-class"), client_id,
-                ctx.traceparent))
+                ctx.traceparent, headers.get("x-session-id"), headers.get("x-session-turn")))
         return ctx
 
     def _accept(self, ctx: RequestContext, parsed: CompletionRequest, slo_header: str | None) -> None:
@@ -262,7 +269,7 @@ class Gateway:
         if ctx.traced and self.hooks.observers:
             self.hooks.emit("on_request_parsed", RequestParsed(
                 ctx.request_id, time.monotonic_ns(), ctx.operation, ctx.model, ctx.tenant, ctx.slo_class,
-                ctx.stream, parsed.max_tokens or 0))
+                ctx.stream, parsed.max_tokens or 0, parsed.user or ""))
 
     async def _tokenize(self, ctx: RequestContext, parsed: CompletionRequest) -> tuple[int, ...]:
         """Prompt (or chat template) -> token ids, checked against the context window."""

@@ -42,6 +42,8 @@ class RequestReceived:
     slo_class_header: str | None  # X-SLO-Class as sent, if any
     client_request_id: str | None  # X-Request-Id as sent, if any
     traceparent: str | None  # W3C trace context header, forwarded to the backend untouched
+    session_header: str | None = None  # X-Session-Id as sent, if any
+    session_turn_header: str | None = None  # X-Session-Turn as sent, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class RequestParsed:
     slo_class: str
     stream: bool
     max_tokens: int  # as requested; 0 = the endpoint's default (resolved after tokenizing)
+    user: str = ""  # the OpenAI ``user`` field, if any
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,17 @@ from starlette.requests import ClientDisconnect, Request
 
 from reference_server.serving.gateway_openai import OpenAIError
 
-__all__ = ["InFlightIds", "RequestContext", "read_json_body", "request_id_for"]
+__all__ = ["InFlightIds", "RequestContext", "read_json_body", "request_id_for", "session_of"]
+
+MAX_SESSION_CHARS = 256  # a longer session id is cut (it is a label, not content)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def session_of(header_value: str | None, user: str | None) -> str:
+    """The session a request is a turn of, for KV retention: the ``X-Session-Id`` header,
+    else the OpenAI ``user`` field, else "" (none)."""
+    return (header_value or user or "")[:MAX_SESSION_CHARS]
 
 
 def request_id_for(header_value: str | None) -> str:

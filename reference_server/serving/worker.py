@@ -229,7 +229,8 @@ class Worker:
         try:
             seq = self.engine.prepare_request(
                 str(h["request_id"]), h["prompt"], sampling_from_dict(h["sampling"]), tenant=h.get("tenant"),
-                slo_class=h.get("slo_class", "interactive"), arrival_ns=h.get("arrival_ns"))
+                slo_class=h.get("slo_class", "interactive"), arrival_ns=h.get("arrival_ns"),
+                session=str(h.get("session") or ""))
         except (ValueError, TypeError, KeyError) as exc:
             self._send_error(wid, "value", str(exc))
             return
@@ -281,7 +282,7 @@ class Worker:
     async def _push(self, wid: str, h: dict[str, Any], state: PrefilledKV) -> None:
         target = h["handoff_to"]
         meta = {k: h.get(k) for k in ("request_id", "prompt", "sampling", "tenant", "slo_class", "arrival_ns",
-                                      "traceparent")}
+                                      "traceparent", "session")}
         meta.update(output_token_ids=list(state.output_token_ids), num_cached_tokens=state.num_cached_tokens)
         try:
             outcome = await send_kv(
@@ -302,7 +303,7 @@ class Worker:
             seq = self.engine.prepare_request(
                 str(meta["request_id"]), meta["prompt"], sampling_from_dict(meta["sampling"]),
                 tenant=meta.get("tenant"), slo_class=meta.get("slo_class", "interactive"),
-                arrival_ns=meta.get("arrival_ns"))
+                arrival_ns=meta.get("arrival_ns"), session=str(meta.get("session") or ""))
         except (ValueError, TypeError, KeyError) as exc:
             return str(exc)
         if self.observers:

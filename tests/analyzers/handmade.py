@@ -84,6 +84,18 @@ class HandMade:
             col.END_NS: ns(start if end is None else end)})
         return self
 
+    def spec_step(self, rid: int, step: int, *, proposed: int, accepted: int, first: int, draft: tuple[float, float],
+                  verify: tuple[float, float], batch: int, spec_seqs: int = 1, source: int = 0,
+                  inst: int = 1) -> "HandMade":
+        """One speculative step of ``rid``: ``proposed`` drafts, ``accepted`` of them, first emitted token
+        ``first``; ``draft`` and ``verify`` are (start, end) in ms."""
+        self.rows["spec_steps"].append({
+            col.INSTANCE_ID: inst, col.REQUEST_ID: rid, col.STEP: step, col.DRAFT_SOURCE: source,
+            col.NUM_PROPOSED: proposed, col.NUM_ACCEPTED: accepted, col.FIRST_TOKEN_INDEX: first,
+            col.DRAFT_START_NS: ns(draft[0]), col.DRAFT_END_NS: ns(draft[1]), col.VERIFY_START_NS: ns(verify[0]),
+            col.VERIFY_END_NS: ns(verify[1]), col.BATCH_SIZE: batch, col.NUM_SPEC_SEQS: spec_seqs})
+        return self
+
     def table(self, name: str) -> pa.Table:
         t = TABLES[name]
         rows = self.rows[name]

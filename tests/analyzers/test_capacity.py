@@ -88,3 +88,28 @@ def test_a_run_without_requests_gives_empty_frames(handmade):
     assert capacity.throughput_summary(src).iloc[0]["num_requests"] == 0
     with pytest.raises(ValueError):
         capacity.throughput(src, window_s=0)
+
+
+def test_offered_load_is_the_load_analysis_figure(src):
+    # arrivals 0, 500 and 1500 ms: 2 gaps over a 1.5 s arrival window
+    row = capacity.offered_load(src).iloc[0]
+    assert (row["num_requests"], row["arrival_window_s"]) == (3, pytest.approx(1.5))
+    assert row["offered_rps"] == pytest.approx(2 / 1.5)
+    from analyzers.load import load
+
+    assert row["offered_rps"] == load(src).row["offered_rps"]
+
+
+def test_slo_targets_are_those_the_slo_analysis_judges_by(src):
+    from analyzers.slo import slo_attainment
+
+    targets = capacity.slo_targets(src)
+    judged = slo_attainment(src)
+    judged = judged[judged[col.SLO_CLASS] != "*"][[col.SLO_CLASS, "ttft_target_ms", "tpot_target_ms"]]
+    assert targets.to_dict("records") == judged.reset_index(drop=True).to_dict("records")
+    assert len(targets) == 1
+
+
+def test_no_requests_no_offered_load(handmade):
+    src = handmade.source()
+    assert math.isnan(capacity.offered_load(src).iloc[0]["offered_rps"]) and capacity.slo_targets(src).empty

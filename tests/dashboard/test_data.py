@@ -110,3 +110,23 @@ def test_downsample_keeps_extremes_and_bounds_points():
 @pytest.mark.parametrize(("seconds", "window"), [(5, 1), (600, 5), (3600, 30), (10**6, 3600)])
 def test_series_window_comes_from_a_fixed_ladder(seconds, window):
     assert series_window_s(seconds * 10**9) == window
+
+
+def test_first_analysis_of_a_finished_run_derives_its_facts(tmp_path):
+    from analyzers.facts import DERIVED_FACTS
+    from tokentrace.store.derived import DERIVED_DIR
+
+    write_run(tmp_path, "r", num_requests=30, seed=3)
+    first = DataSource(tmp_path).result("r", "stage_breakdown")
+    assert sorted(p.stem for p in (tmp_path / "r" / DERIVED_DIR).iterdir()) == sorted(DERIVED_FACTS)
+    again = DataSource(tmp_path).result("r", "stage_breakdown")  # a fresh process state reads the facts
+    pd.testing.assert_frame_equal(first, again, check_exact=False, rtol=1e-12)
+
+
+def test_a_store_where_facts_cannot_be_written_is_analyzed_from_its_parts(tmp_path):
+    from tokentrace.store.derived import DERIVED_DIR
+
+    write_run(tmp_path, "r", num_requests=30, seed=3)
+    (tmp_path / "r" / DERIVED_DIR).write_text("a file where the folder would go")  # every write fails
+    lat = DataSource(tmp_path).result("r", "latency")
+    assert int(lat.loc[lat["metric"] == "ttft", "count"].iloc[0]) == 30

@@ -16,7 +16,17 @@ from instrument.sampling import (
 )
 from tokentrace.recorder import BufferedRecorder
 from tokentrace.recorder.sink import InMemorySink
-from tokentrace.schema import REQUESTS, SPANS, TOKENS, RequestStatus, Stage, col, request_id_of
+from tokentrace.schema import (
+    REQUESTS,
+    SPANS,
+    SPEC_STEPS,
+    TOKENS,
+    DraftSource,
+    RequestStatus,
+    Stage,
+    col,
+    request_id_of,
+)
 from tokentrace.store import SAMPLED_OUT, StoreWriter, open_run
 
 MS = 1_000_000
@@ -145,3 +155,16 @@ def test_rate_one_forwards_everything_without_buffering():
     assert rec.num_pending == 0
     rec.close()
     assert sink.num_rows(REQUESTS.name) == 20 and rec.sampling_counters[SAMPLED_OUT] == 0
+
+
+def test_speculative_step_rows_are_kept_or_dropped_with_their_request():
+    rec, sink = _sampler(rate=0.0, slow_e2e_ns=10 * MS)
+    for key, e2e in (("fast", 2 * MS), ("slow", 20 * MS)):
+        rid = rec.request_begin(key, arrival_ns=0)
+        rec.spec_step(rid, 3, DraftSource.NGRAM, 4, 2, 1, 10, 20, 20, 30, 2, 1)
+        rec.token(rid, 0, emit_ns=MS)
+        rec.request_end(rid, finish_ns=e2e, num_output_tokens=1)
+    rec.close()
+    rows = sink.table(SPEC_STEPS.name).to_pylist()
+    assert [r[col.REQUEST_ID] for r in rows] == [request_id_of("slow")]  # buffered, then kept with it
+    assert rows[0][col.NUM_ACCEPTED] == 2 and rows[0][col.VERIFY_END_NS] == 30

@@ -29,13 +29,17 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKED_DIRS = ("tokentrace", "instrument", "analyzers", "dashboard", "benchmarks", "tests")
 
 
-def test_fifteen_stages_in_pipeline_order_with_dotted_labels():
-    assert len(Stage) == 15
+def test_seventeen_stages_in_pipeline_order_with_dotted_labels():
+    assert len(Stage) == 17
     labels = [s.label for s in Stage]
-    assert len(set(labels)) == 15
+    assert len(set(labels)) == 17
     assert labels[:2] == ["gateway.accept", "gateway.receive"]
     assert labels[-3:] == ["detokenize", "stream.relay", "stream.send"]
-    assert sorted(int(s) for s in Stage) == list(range(15))  # values stay dense: files store them
+    # a speculative step's stages sit between the decode queue and the plain decode step, in pipeline order
+    decode = labels.index("decode.queue")
+    assert labels[decode:decode + 4] == ["decode.queue", "decode.draft", "decode.verify", "decode.compute"]
+    assert (Stage.DECODE_DRAFT, Stage.DECODE_VERIFY) == (15, 16)  # the next free values: files store them
+    assert sorted(int(s) for s in Stage) == list(range(17))  # values stay dense
     for s in Stage:
         assert Stage.from_label(s.label) is s
 
@@ -46,7 +50,8 @@ def test_unknown_stage_label_names_the_valid_ones():
 
 
 def test_every_table_has_documented_columns_with_units():
-    assert set(TABLES) == {"requests", "spans", "tokens", "steps", "cache_events", "loop_lags", "instances"}
+    assert set(TABLES) == {"requests", "spans", "tokens", "steps", "cache_events", "loop_lags", "spec_steps",
+                           "instances"}
     for t in TABLES.values():
         assert t.doc
         for c in t.columns:
@@ -56,6 +61,18 @@ def test_every_table_has_documented_columns_with_units():
                 assert c.type == pa.int64()
             if c.name.endswith("_bytes") or c.name == col.NUM_BYTES:
                 assert c.unit == "bytes"
+
+
+def test_spec_steps_columns_codes_and_clock():
+    t = schema.SPEC_STEPS
+    assert t.names == (col.INSTANCE_ID, col.REQUEST_ID, col.STEP, col.DRAFT_SOURCE, col.NUM_PROPOSED,
+                       col.NUM_ACCEPTED, col.FIRST_TOKEN_INDEX, col.DRAFT_START_NS, col.DRAFT_END_NS,
+                       col.VERIFY_START_NS, col.VERIFY_END_NS, col.BATCH_SIZE, col.NUM_SPEC_SEQS)
+    assert t.column(col.DRAFT_SOURCE).enum is schema.DraftSource
+    assert {s.name: int(s) for s in schema.DraftSource} == {"MODEL": 0, "NGRAM": 1, "EARLY_EXIT": 2}
+    # the four phase boundaries are points on the engine's clock, so readers align them like every other time
+    from tokentrace.clock import time_columns
+    assert time_columns(t.name) == [col.DRAFT_START_NS, col.DRAFT_END_NS, col.VERIFY_START_NS, col.VERIFY_END_NS]
 
 
 def test_schema_metadata_carries_version_and_docs():

@@ -71,7 +71,9 @@ def request_body(req: PlannedRequest, opts: RequestOptions) -> dict[str, Any]:
         body["stream_options"] = {"include_usage": True}
     if opts.ignore_eos:
         body["ignore_eos"] = True
-    if opts.endpoint == "chat":
+    if opts.endpoint == "chat" and req.messages:
+        body["messages"] = [{"role": role, "content": content} for role, content in req.messages]
+    elif opts.endpoint == "chat":
         messages = [{"role": "system", "content": text.system}] if text.system else []
         messages.append({"role": "user", "content": text.prompt})
         body["messages"] = messages
@@ -86,6 +88,10 @@ def request_headers(req: PlannedRequest) -> dict[str, str]:
         headers["Authorization"] = f"Bearer {req.api_key}"
     if req.slo_class:
         headers["X-SLO-Class"] = req.slo_class
+    if req.session:
+        headers["X-Session-Id"] = req.session
+        if req.session_turn >= 0:
+            headers["X-Session-Turn"] = str(req.session_turn)
     return headers
 
 
@@ -102,10 +108,11 @@ def encode_request(pool: ConnectionPool, req: PlannedRequest, opts: RequestOptio
 
 
 async def send_request(pool: ConnectionPool, req: PlannedRequest, opts: RequestOptions, *,
-                       encoded: bytes | None = None) -> Outcome:
+                       encoded: bytes | None = None, keep_text: bool = False) -> Outcome:
     """Send ``req`` (its bytes ``encoded`` if built ahead), stream the answer, and return what
-    was seen; never raises (see module doc). Runs on the caller's event loop."""
-    st = SseStream(opts.endpoint == "chat")
+    was seen; never raises (see module doc). Runs on the caller's event loop. ``keep_text``:
+    the outcome carries the answer's text (session workloads send it back in the next turn)."""
+    st = SseStream(opts.endpoint == "chat", keep_text=keep_text)
     cancelled = False
     send_ns = time.monotonic_ns()
     try:
@@ -129,6 +136,7 @@ async def send_request(pool: ConnectionPool, req: PlannedRequest, opts: RequestO
         http_status=st.status, failure=st.failure if failed else None, detail=st.detail if failed else "",
         num_prompt_tokens=st.usage_int("prompt_tokens"), num_output_tokens=st.usage_int("completion_tokens"),
         num_cached_tokens=st.cached_tokens(), cancelled=cancelled,
+        text="".join(st.text_parts) if st.text_parts is not None else "",
     )
 
 

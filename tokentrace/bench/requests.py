@@ -45,6 +45,9 @@ class PlannedRequest:
     tenant: str = ""
     api_key: str = ""  # sent as "Authorization: Bearer <api_key>" when not empty
     slo_class: str = ""  # sent as X-SLO-Class when not empty
+    session: str = ""  # sent as X-Session-Id when not empty: the session (conversation) this is a turn of
+    session_turn: int = -1  # sent as X-Session-Turn when >= 0
+    messages: tuple[tuple[str, str], ...] = ()  # chat endpoint: (role, content) history sent instead of the text
 
 
 class FailureKind(enum.Enum):
@@ -79,6 +82,7 @@ class Outcome:
     num_output_tokens: int = -1  # server's usage.completion_tokens; -1 = not reported
     num_cached_tokens: int = -1  # usage.prompt_tokens_details.cached_tokens; -1 = not reported
     cancelled: bool = False  # stopped by the run's duration bound, not a failure
+    text: str = ""  # the answer's text as streamed (session workloads feed it into the next turn)
 
     @property
     def ok(self) -> bool:

@@ -74,7 +74,8 @@ def record_outcome(recorder: Recorder, req: PlannedRequest, outcome: Outcome) ->
     """Write one request row and its token rows (event-loop thread; never blocks or raises)."""
     num_prompt = outcome.num_prompt_tokens if outcome.num_prompt_tokens >= 0 else req.text.num_prompt_tokens
     rid = recorder.request_begin(req.key, tenant=req.tenant, slo_class=req.slo_class,
-                                 arrival_ns=outcome.send_ns, num_prompt_tokens=num_prompt)
+                                 arrival_ns=outcome.send_ns, num_prompt_tokens=num_prompt, session=req.session,
+                                 session_turn=req.session_turn)
     for i, t_ns in enumerate(outcome.recv_ns):
         recorder.token(rid, i, recv_ns=t_ns)
     error = CANCELLED_ERROR if outcome.cancelled else (outcome.failure.label if outcome.failure else "")

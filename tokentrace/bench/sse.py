@@ -37,9 +37,9 @@ class SseStream:
     """
 
     __slots__ = ("buf", "times", "empty", "finish_flags", "usage", "done", "done_ns", "failure", "detail", "chat",
-                 "role_first", "status", "error_body")
+                 "role_first", "status", "error_body", "text_parts")
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, *, keep_text: bool = False) -> None:
         self.buf = b""
         self.times: list[int] = []  # recv ns of each content chunk
         self.empty: list[bool] = []  # that chunk's content was ""
@@ -53,6 +53,8 @@ class SseStream:
         self.role_first = False  # the first content chunk was a chat role announcement with content ""
         self.status = 0  # HTTP status; 0 = no response head yet
         self.error_body = b""  # start of a non-200 response's body
+        # the content of every chunk, in order (the answer's text), when asked to keep it
+        self.text_parts: list[str] | None = [] if keep_text else None
 
     # -- ResponseSink
 
@@ -150,6 +152,8 @@ class SseStream:
                 self.fail(FailureKind.MALFORMED_SSE, "a choice has no text content")
             return
         self.times.append(t_ns)
+        if self.text_parts is not None:
+            self.text_parts.append(content)
         self.empty.append(content == "")
         self.finish_flags.append(choice.get("finish_reason") is not None)
 

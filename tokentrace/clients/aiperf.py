@@ -92,7 +92,19 @@ def _record(n: int, line: str, where: str) -> ClientRecord:
         finish_ns=end if isinstance(end, int) and not isinstance(end, bool) else -1, status=status, error=error,
         num_prompt_tokens=count("usage_prompt_tokens", "input_sequence_length"),
         num_output_tokens=count("usage_completion_tokens", "output_sequence_length", "output_token_count"),
-        num_cached_tokens=count("usage_prompt_cache_read_tokens"))
+        num_cached_tokens=count("usage_prompt_cache_read_tokens"), session=_session(meta),
+        session_turn=_turn(meta))
+
+
+def _session(meta: dict) -> str:
+    """The conversation of a multi-turn record (``conversation_id``), else "" ."""
+    conversation = meta.get("conversation_id")
+    return conversation[:256] if isinstance(conversation, str) else ""
+
+
+def _turn(meta: dict) -> int:
+    turn = meta.get("turn_index")
+    return turn if isinstance(turn, int) and not isinstance(turn, bool) and 0 <= turn < 2**31 else -1
 
 
 def _version(path: Path) -> str:

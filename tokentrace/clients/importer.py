@@ -95,7 +95,8 @@ def _to_reference(export: ClientExport, clocks: RunClocks) -> Callable[[int], in
 
 def _record(recorder: BufferedRecorder, rec: ClientRecord, key: str, to_ref: Callable[[int], int],
             content_first: bool) -> None:
-    rid = recorder.request_begin(key, arrival_ns=to_ref(rec.send_ns), num_prompt_tokens=rec.num_prompt_tokens)
+    rid = recorder.request_begin(key, arrival_ns=to_ref(rec.send_ns), num_prompt_tokens=rec.num_prompt_tokens,
+                                 session=rec.session, session_turn=rec.session_turn)
     first = -1
     for index, t in rec.chunks:
         recorder.token(rid, index, recv_ns=to_ref(t))

@@ -43,6 +43,10 @@ class ClientRecord:
     num_prompt_tokens: int = -1
     num_output_tokens: int = -1
     num_cached_tokens: int = -1
+    session: str = ""
+    """The conversation the request is a turn of, when the tool says (AIPerf's ``conversation_id``)."""
+    session_turn: int = -1
+    """Its 0-based turn in that conversation (AIPerf's ``turn_index``); -1 when not said."""
 
 
 @dataclass(frozen=True, slots=True)

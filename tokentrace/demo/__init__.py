@@ -36,6 +36,7 @@ from tokentrace.demo.load import (
     DEMO_TENANTS,
     LoadSpec,
     build_load_plan,
+    fit_to_context,
     mean_output_tokens,
     run_load,
     write_tenants_file,
@@ -43,9 +44,14 @@ from tokentrace.demo.load import (
 from tokentrace.demo.report import print_report, saturation_lines
 from tokentrace.demo.server import ServerSpec, TracedServer
 
-__all__ = ["DemoOptions", "DemoResult", "run_demo", "serve_dashboard", "check_port", "TRACE_FILE"]
+__all__ = ["DemoOptions", "DemoResult", "run_demo", "serve_dashboard", "check_port", "demo_model", "model_context",
+           "TRACE_FILE", "SPECULATIVE_MODEL", "SPECULATIVE_SOURCE"]
 
 TRACE_FILE = "mooncake_conversation.jsonl"
+DEFAULT_MODEL = "small"
+SPECULATIVE_MODEL = "trained"  # the bundled trained model, whose bundled draft model (trained-draft) drafts for it
+SPECULATIVE_SOURCE = "model"  # what --speculative turns on: a draft model (the server's --speculative)
+_DRAFT_WORDS = {"model": "the bundled draft model", "ngram": "n-gram prompt lookup", "early_exit": "early exit"}
 _STEPS = 6
 
 
@@ -55,7 +61,8 @@ class DemoOptions:
 
     store: Path = Path("demo-store")
     num_requests: int = 80  # the first N requests of the trace: ~27 s of its arrivals (~3 req/s)
-    model: str = "small"  # reference model preset: 8 layers, hidden 512, 4096 positions
+    model: str | None = None  # None: "small" (a preset: 8 layers, hidden 512, random weights), "trained" speculating
+    speculative: str | None = None  # draft source on the decode worker (model, ngram, early_exit); None: off
     time_scale: float = 1.0  # x Mooncake arrival times (real time)
     length_scale: float = 1 / 64  # prompts: 512-token trace blocks become 8 tokens, ~200-token prompts
     output_scale: float = 1 / 16  # outputs: ~22 tokens per request on average (1-58), enough to time each token
@@ -70,6 +77,11 @@ class DemoOptions:
     stop_grace_s: float = 30.0  # SIGINT -> SIGKILL
     device: str | None = None  # cpu | cuda; None: the server's choice
     seed: int = 0
+    sessions: str | None = None  # a session mix (agent, chat) instead of the trace's requests; None: the trace
+    num_sessions: int = 12
+    session_rate: float = 0.5  # sessions starting per second (Poisson)
+    session_length_scale: float = 0.25  # agent: a 256-token task, 8-24-token tool results, 4-8-token tool calls
+    kv_retention: str = "lru"  # the server's policy for a finished turn's KV: lru, keep, offload, drop
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -104,6 +116,22 @@ def _load_spec(opts: DemoOptions, trace: Path) -> LoadSpec:
                     seed=opts.seed, duration_s=opts.load_duration_s, drain_s=opts.load_drain_s)
 
 
+def demo_model(opts: DemoOptions) -> str:
+    """The model the demo serves and asks for: ``opts.model``, else the trained model when speculating (a draft
+    model needs a target it was trained with), else the ``small`` preset."""
+    return opts.model or (SPECULATIVE_MODEL if opts.speculative else DEFAULT_MODEL)
+
+
+def model_context(model: str) -> int:
+    """The context window, in tokens, of a reference-server model: a preset's or a bundled model's;
+    ``ValueError`` naming the presets for an unknown name."""
+    from reference_server.model.bundled import bundled_checkpoint
+    from reference_server.model.config import ModelConfig
+
+    folder = bundled_checkpoint(model)
+    return (ModelConfig.from_hf_config(folder) if folder is not None else ModelConfig.preset(model)).max_position
+
+
 def _run_id(opts: DemoOptions) -> str:
     from tokentrace.store import new_run_id, validate_run_id
 
@@ -121,15 +149,21 @@ def check_port(port: int, host: str = "127.0.0.1") -> None:
                              f"listens there, or pass --port with a free port, or --no-dashboard") from None
 
 
-def _plan(opts: DemoOptions, run_id: str, console: Console) -> tuple[LoadSpec, Any]:
+def _plan(opts: DemoOptions, run_id: str, console: Console) -> tuple[Any, Any]:
     _step(console, 1, "checks and the plan")
     if opts.dashboard:
         check_port(opts.port)
         console.print(f"  dashboard port {opts.port} on 127.0.0.1 is free (checked now, before the load)")
+    from reference_server.engine.retention import RETENTION_POLICIES
+
+    if opts.kv_retention not in RETENTION_POLICIES:
+        raise ValueError(f"unknown --kv-retention {opts.kv_retention!r}; choose one of {', '.join(RETENTION_POLICIES)}")
+    if opts.sessions:
+        return _session_plan(opts, run_id, console)
     trace = _trace_path(opts)
     spec = _load_spec(opts, trace)
     console.print(f"  trace: {trace}")
-    plan = build_load_plan(spec, key_prefix=f"demo-{run_id}")
+    plan = fit_to_context(build_load_plan(spec, key_prefix=f"demo-{run_id}"), model_context(demo_model(opts)))
     for line in plan.description:
         console.print(f"  {line}")
     span_s = max((r.offset_s for r in plan.requests), default=0.0)
@@ -141,13 +175,28 @@ def _plan(opts: DemoOptions, run_id: str, console: Console) -> tuple[LoadSpec, A
     return spec, plan
 
 
-def _load(server: TracedServer, spec: LoadSpec, plan: Any, opts: DemoOptions, run_id: str,
+def _session_plan(opts: DemoOptions, run_id: str, console: Console) -> tuple[Any, Any]:
+    from tokentrace.demo.sessions import SessionLoadSpec, build_session_load
+
+    spec = SessionLoadSpec(str(opts.sessions), num_sessions=opts.num_sessions, session_rate=opts.session_rate,
+                           length_scale=opts.session_length_scale, time_scale=opts.time_scale, seed=opts.seed,
+                           duration_s=opts.load_duration_s, drain_s=opts.load_drain_s)
+    plan = build_session_load(spec, key_prefix=f"demo-{run_id}")
+    for line in plan.description:
+        console.print(f"  {line}")
+    console.print(f"  the server's KV retention between turns: {opts.kv_retention} (--kv-retention)")
+    return spec, plan
+
+
+def _load(server: TracedServer, spec: Any, plan: Any, opts: DemoOptions, run_id: str,
           console: Console) -> tuple[int, int]:
+    if opts.sessions:
+        return _session_load(server, spec, plan, opts, run_id, console)
     _step(console, 3, f"replaying {len(plan.requests)} requests (at most {opts.load_duration_s:.0f} s "
                       f"+ {opts.load_drain_s:.0f} s drain)")
     assert server.url is not None  # start() returned
     before = os.getloadavg()[0]
-    result = run_load(plan, spec, url=server.url, model=opts.model, store=opts.store, run_id=run_id,
+    result = run_load(plan, spec, url=server.url, model=demo_model(opts), store=opts.store, run_id=run_id,
                       console=console)
     num_ok = sum(1 for o in result.outcomes if o.ok)
     failed = len(result.outcomes) - num_ok
@@ -158,13 +207,33 @@ def _load(server: TracedServer, spec: LoadSpec, plan: Any, opts: DemoOptions, ru
     return len(result.outcomes), num_ok
 
 
-def _serve_and_load(opts: DemoOptions, spec: LoadSpec, plan: Any, run_id: str, workdir: Path,
+def _session_load(server: TracedServer, spec: Any, plan: Any, opts: DemoOptions, run_id: str,
+                  console: Console) -> tuple[int, int]:
+    from tokentrace.demo.sessions import run_session_load
+
+    _step(console, 3, f"running {len(plan.sessions)} sessions ({plan.num_turns} turns; at most "
+                      f"{opts.load_duration_s:.0f} s + {opts.load_drain_s:.0f} s drain)")
+    assert server.url is not None  # start() returned
+    result = run_session_load(plan, spec, url=server.url, model=demo_model(opts), store=opts.store, run_id=run_id,
+                              console=console)
+    num_ok = sum(1 for o in result.outcomes if o.ok)
+    if not console.is_terminal:
+        console.print()
+    console.print(f"  {len(result.outcomes)} turns sent, {num_ok} completed, {len(result.outcomes) - num_ok} "
+                  f"failed or cut")
+    return len(result.outcomes), num_ok
+
+
+def _serve_and_load(opts: DemoOptions, spec: Any, plan: Any, run_id: str, workdir: Path,
                     console: Console) -> tuple[int, int, int | None]:
     server_spec = ServerSpec(store=opts.store, run_id=run_id, tenants_file=write_tenants_file(workdir),
-                             model=opts.model, block_size=spec.block_size, device=opts.device)
+                             model=demo_model(opts), block_size=getattr(spec, "block_size", opts.block_size),
+                             device=opts.device, speculative=opts.speculative, kv_retention=opts.kv_retention)
     server = TracedServer(server_spec, log_path=workdir / "server.stderr.log")
+    speculating = (f", speculative decoding on (draft: {_DRAFT_WORDS.get(opts.speculative, opts.speculative)})"
+                   if opts.speculative else "")
     _step(console, 2, f"starting the reference server (disaggregated: 1 prefill + 1 decode worker, model "
-                      f"{opts.model!r}) under `tokentrace run --store {opts.store} --run {run_id}`")
+                      f"{demo_model(opts)!r}{speculating}) under `tokentrace run --store {opts.store} --run {run_id}`")
     try:
         started = time.monotonic()
         with console.status("  starting: the gateway and two workers load the model ...") as status:

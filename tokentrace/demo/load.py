@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 
 __all__ = ["DEMO_TENANTS", "DEMO_SLO_MIX", "DemoTenant", "LoadSpec", "write_tenants_file", "build_load_plan",
-           "run_load", "mean_output_tokens"]
+           "run_load", "mean_output_tokens", "fit_to_context"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,25 @@ def _with_output_lengths(plan: Any, spec: LoadSpec) -> Any:
             f"average ({min(lengths, default=0)}-{max(lengths, default=0)})")
     config = {**plan.config, "output_scale": spec.output_scale}
     return dataclasses.replace(plan, requests=requests, description=(*plan.description, line), config=config)
+
+
+def fit_to_context(plan: Any, context_tokens: int) -> Any:
+    """``plan`` with each prompt that would not fit a model of ``context_tokens`` positions cut at its end, so
+    that its tokens (the text is ASCII and the reference models read one token per byte), the begin-of-sequence
+    token and its output fit; a line of the description says how many were cut. ``plan`` itself when all fit."""
+    requests, num_cut = [], 0
+    for r in plan.requests:
+        over = r.text.num_prompt_tokens + 1 + r.text.max_tokens - context_tokens
+        if over > 0:
+            num_cut += 1
+            r = dataclasses.replace(r, text=dataclasses.replace(r.text, prompt=r.text.prompt[:max(
+                len(r.text.prompt) - over, 1)]))
+        requests.append(r)
+    if num_cut == 0:
+        return plan
+    line = (f"{num_cut} of {len(requests)} prompt(s) cut at the end to fit the model's {context_tokens:,} positions "
+            f"with their output")
+    return dataclasses.replace(plan, requests=tuple(requests), description=(*plan.description, line))
 
 
 def mean_output_tokens(plan: Any) -> float:

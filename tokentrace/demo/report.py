@@ -25,9 +25,12 @@ from tokentrace.schema import REQUESTS, SPANS, TOKENS
 __all__ = ["TERMINAL_SECTIONS", "print_report", "section_table", "verdict_lines", "headline_lines",
            "saturation_lines", "run_line"]
 
-TERMINAL_SECTIONS: dict[str, int] = {"latency": 1, "stage_breakdown": 1, "slo": 1, "tenants": 2, "agreement": 1}
+TERMINAL_SECTIONS: dict[str, int] = {"latency": 1, "stage_breakdown": 1, "slo": 1, "speculative": 2, "sessions": 0,
+                                     "tenants": 2, "agreement": 1}
 """Report sections shown in the terminal, in order, and how many of each one's tables (the
 rest of the report: ``tokentrace report``, the HTML report and the dashboard)."""
+ONLY_WITH_TABLES = frozenset({"speculative", "sessions"})
+"""Sections left out of the terminal when they hold no table (a run without speculation or sessions)."""
 UNATTRIBUTED_TARGET = 0.01  # the attribution invariant's bound: under 1% of token latency
 _MAX_ROWS = 20
 
@@ -59,8 +62,8 @@ def section_table(frame: pd.DataFrame, *, title: str = "", names: dict[int, str]
         # Labels (stage, tenant, class names) are not wrapped unless the terminal is too narrow.
         table.add_column(_header(str(name)), justify="left" if text else "right", min_width=width,
                          no_wrap=text, overflow="fold")
-    for _, row in frame.head(_MAX_ROWS).iterrows():
-        table.add_row(*(_cell(str(c), row[c]) for c in frame.columns))
+    for row in frame.head(_MAX_ROWS).itertuples(index=False, name=None):  # (iterrows would make every int a float)
+        table.add_row(*(_cell(str(c), v) for c, v in zip(frame.columns, row)))
     if len(frame) > _MAX_ROWS:
         table.caption = f"first {_MAX_ROWS} of {len(frame)} rows"
     return table
@@ -144,6 +147,8 @@ def print_report(report: Any, console: Console) -> None:
         try:
             section = report.section(key)
         except KeyError:
+            continue
+        if key in ONLY_WITH_TABLES and not section.tables:
             continue
         console.rule(f"[bold]{section.title}")
         if section.note:

@@ -54,6 +54,8 @@ class ServerSpec:
     num_host_blocks: int = 256  # per worker: the host tier evicted prefix blocks go to
     scheduling_policy: str = "slo"  # deadline-aware: interactive before batch
     device: str | None = None  # None: the reference server's choice (cuda if available)
+    speculative: str | None = None  # the server's --speculative: model, ngram or early_exit; None = off
+    kv_retention: str = "lru"  # a finished session turn's KV: lru, keep, offload or drop (the server's --kv-retention)
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -66,6 +68,10 @@ def server_command(spec: ServerSpec) -> list[str]:
     ]
     if spec.device:
         server += ["--device", spec.device]
+    if spec.speculative:
+        server += ["--speculative", spec.speculative]
+    if spec.kv_retention != "lru":
+        server += ["--kv-retention", spec.kv_retention]
     return [sys.executable, "-m", "tokentrace.cli", "run", "--store", str(spec.store), "--run", spec.run_id,
             "--", *server]
 

@@ -44,6 +44,7 @@ from tokentrace.schema import (
     LOOP_LAGS,
     REQUESTS,
     SPANS,
+    SPEC_STEPS,
     STEPS,
     TOKENS,
     RequestStatus,
@@ -58,6 +59,7 @@ _pack_token = LAYOUTS[TOKENS.name].packer.pack
 _pack_step = LAYOUTS[STEPS.name].packer.pack
 _pack_cache = LAYOUTS[CACHE_EVENTS.name].packer.pack
 _pack_loop_lag = LAYOUTS[LOOP_LAGS.name].packer.pack
+_pack_spec_step = LAYOUTS[SPEC_STEPS.name].packer.pack
 _pack_instance = LAYOUTS[INSTANCES.name].packer.pack
 
 OPEN_STAGE_BYTES = 256
@@ -134,6 +136,7 @@ class BufferedRecorder:
         self._steps = self._bufs[STEPS.name]
         self._cache = self._bufs[CACHE_EVENTS.name]
         self._loop_lags = self._bufs[LOOP_LAGS.name]
+        self._spec_steps = self._bufs[SPEC_STEPS.name]
         self._instances = self._bufs[INSTANCES.name]
         self._labels = Labels()
         self._side = SideStrings()
@@ -156,6 +159,7 @@ class BufferedRecorder:
                 col.REQUEST_KEY: side,
                 col.TRACE_ID: side,
                 col.TENANT: labels,
+                col.SESSION: labels,
                 col.SLO_CLASS: labels,
                 col.ERROR: labels,
                 col.NAME: labels,
@@ -168,6 +172,7 @@ class BufferedRecorder:
                 col.REQUEST_KEY: self._side.peek,
                 col.TRACE_ID: self._side.peek,
                 col.TENANT: labels,
+                col.SESSION: labels,
                 col.SLO_CLASS: labels,
                 col.ERROR: labels,
                 col.NAME: labels,
@@ -296,18 +301,42 @@ class BufferedRecorder:
             return
         b.put(row)
 
+    def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
+                  first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
+                  verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
+        """Record one request's speculative step (``draft_source``: DraftSource; see module contract)."""
+        b = self._spec_steps
+        try:
+            row = _pack_spec_step(request_id, step, draft_source, num_proposed, num_accepted, first_token_index,
+                                  draft_start_ns, draft_end_ns, verify_start_ns, verify_end_ns, batch_size,
+                                  num_spec_seqs)
+        except Exception:
+            next(self._invalid)
+            return
+        try:
+            b.reserve()
+        except IndexError:  # at the table's budget
+            next(b.drops)
+            return
+        b.put(row)
+
     # ------------------------------------------------------------------ requests
 
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
-                      num_prompt_tokens: int = -1, trace_id: str = "") -> int:
+                      num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
+                      session_turn: int = -1) -> int:
         """Note a request's arrival; returns its ``request_id`` (``request_id_of(key)``).
+
+        ``session``: the session (conversation) the request is a turn of, interned like
+        the tenant; ``session_turn``: its 0-based turn, ``-1`` when unknown.
 
         Nothing is written until :meth:`request_end`, which emits the row. Any
         thread; never raises: a non-str ``key`` returns ``NULL_INT`` and counts
         as invalid; past the open-request cap the begin is counted as dropped
         and the end still writes a row (without the begin's fields).
         """
-        return self._request_rows.begin(key, tenant, slo_class, arrival_ns, num_prompt_tokens, trace_id)
+        return self._request_rows.begin(key, tenant, slo_class, arrival_ns, num_prompt_tokens, trace_id,
+                                        session, session_turn)
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,
                     first_token_ns: int = -1, num_output_tokens: int = -1,

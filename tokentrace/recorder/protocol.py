@@ -69,9 +69,16 @@ class Recorder(Protocol):
         """An event-loop tick due at ``start_ns`` ran at ``end_ns``."""
         ...
 
+    def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
+                  first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
+                  verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
+        """One request's speculative engine step (``draft_source``: ``DraftSource``)."""
+        ...
+
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
-                      num_prompt_tokens: int = -1, trace_id: str = "") -> int:
-        """Note a request's arrival; returns its ``request_id``."""
+                      num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
+                      session_turn: int = -1) -> int:
+        """Note a request's arrival (and the session it is a turn of); returns its ``request_id``."""
         ...
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,

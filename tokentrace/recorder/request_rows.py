@@ -23,9 +23,9 @@ _pack_request = LAYOUTS[REQUESTS.name].packer.pack
 OPEN_REQUEST_BYTES = 512
 """Accounted bytes of one open request (dict entry, tuple, key and trace strings)."""
 
-# (key, tenant id, SLO class id, arrival ns, prompt tokens, trace id)
-_Begin = tuple[str, int, int, int, int, str]
-_NO_BEGIN: _Begin = ("", 0, 0, NULL_INT, NULL_INT, "")
+# (key, tenant id, SLO class id, arrival ns, prompt tokens, trace id, session id, session turn)
+_Begin = tuple[str, int, int, int, int, str, int, int]
+_NO_BEGIN: _Begin = ("", 0, 0, NULL_INT, NULL_INT, "", 0, NULL_INT)
 
 
 class RequestRows:
@@ -49,14 +49,16 @@ class RequestRows:
         self._open_drops = open_drops
 
     def begin(self, key: str, tenant: str, slo_class: str, arrival_ns: int, num_prompt_tokens: int,
-              trace_id: str) -> int:
+              trace_id: str, session: str = "", session_turn: int = NULL_INT) -> int:
         """Keep the request's start; returns ``request_id_of(key)`` or ``NULL_INT`` if invalid."""
         try:
             if type(trace_id) is not str:
                 raise TypeError("trace_id must be a str")
             request_id = request_id_of(key)
+            if type(session_turn) is not int:
+                raise TypeError("session_turn must be an int")
             begin = (key, self._labels.intern(tenant), self._labels.intern(slo_class),
-                     arrival_ns, num_prompt_tokens, trace_id)
+                     arrival_ns, num_prompt_tokens, trace_id, self._labels.intern(session), session_turn)
         except Exception:
             next(self._invalid)
             return NULL_INT
@@ -73,7 +75,7 @@ class RequestRows:
             begin = self._open.pop(request_id, None) or _NO_BEGIN
         except Exception:  # unhashable id: pack refuses the row below
             begin = _NO_BEGIN
-        key, tenant_id, slo_id, arrival_ns, num_prompt, trace_id = begin
+        key, tenant_id, slo_id, arrival_ns, num_prompt, trace_id, session_id, session_turn = begin
         side = self._side
         key_id = trace_slot = NO_STRING
         try:
@@ -81,7 +83,7 @@ class RequestRows:
             trace_slot = side.put(trace_id)
             row = _pack_request(request_id, key_id, tenant_id, slo_id, arrival_ns, first_token_ns,
                                 first_content_ns, finish_ns, num_prompt, num_cached_tokens, num_output_tokens, status,
-                                self._labels.intern(error), trace_slot)
+                                self._labels.intern(error), trace_slot, session_id, session_turn)
         except Exception:
             side.discard(key_id)
             side.discard(trace_slot)

@@ -68,7 +68,8 @@ class UntracedRecorder:
         pass
 
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
-                      num_prompt_tokens: int = -1, trace_id: str = "") -> int:
+                      num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
+                      session_turn: int = -1) -> int:
         return NULL_INT
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,

@@ -67,13 +67,17 @@ def render(report: Report, fmt: str) -> str:
 
 def make_report(store: str | os.PathLike[str], run: str | None = None, *, baseline: str | None = None,
                 budget_file: str | os.PathLike[str] | None = None, budgets: tuple[Budget, ...] = (),
-                num_slowest: int = 10) -> Report:
+                num_slowest: int = 10, engine: str | None = None, spark_master: str | None = None) -> Report:
     """Open, check and analyse run ``run`` of ``store`` (newest by default) and check budgets.
 
     ``baseline``: ``STORE[:RUN]`` of the run to compare with. ``budget_file``: a
     TOML budget file, read before any analysis (its budgets follow ``budgets``).
+    ``engine``: ``"duckdb"`` (default, embedded) or ``"spark"`` (``spark_master``,
+    default ``local[*]``); the same numbers either way (``docs/scaling.md``).
     Raises ``ValueError`` subclasses for bad input. Blocks while reading the store.
     """
+    if engine not in (None, "duckdb", "spark"):
+        raise ReportInputError(f"unknown engine {engine!r}; engines: duckdb, spark")
     all_budgets = tuple(budgets) + (load_budgets(budget_file) if budget_file is not None else ())
     if any(b.is_regression for b in all_budgets) and baseline is None:
         first = next(b for b in all_budgets if b.is_regression)
@@ -83,4 +87,6 @@ def make_report(store: str | os.PathLike[str], run: str | None = None, *, baseli
     if baseline is not None:
         base_store, base_run = split_run_ref(baseline)
         base = open_checked(base_store, base_run)
-    return build_report(opened, rows, baseline=base, budgets=all_budgets, num_slowest=num_slowest)
+    options = {"master": spark_master} if engine == "spark" and spark_master else {}
+    return build_report(opened, rows, baseline=base, budgets=all_budgets, num_slowest=num_slowest,
+                        engine=engine, engine_options=options)

@@ -58,6 +58,12 @@ LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e")
 LATENCY_STATS: tuple[str, ...] = ("mean", "p50", "p90", "p99", "p99.9")
 STAGE_STATS: tuple[str, ...] = ("share_of_ttft", "share_of_itl", "tail_share_of_ttft", "tail_share_of_itl")
 SLO_STATS: tuple[str, ...] = ("attainment", "fluidity")
+SPEC_RATIOS: tuple[str, ...] = ("acceptance_rate", "draft_share_of_decode", "rejected_draft_share")
+SPEC_TIMES: tuple[str, ...] = ("ms_per_token", "mean_itl")
+"""``spec.<name>``: speculative decoding's ratios (fractions) and times (ms) a budget may name."""
+SESSION_KINDS: dict[str, str] = {"reuse_fraction": "ratio", "lost_tokens": "count", "extra_prefill": "time",
+                                 "load": "time", "ttft_sum.mean": "time", "ttft_sum.p90": "time", "think.mean": "time"}
+"""``session.<name>``: multi-turn sessions' metrics (:mod:`tokentrace.report.sessions`) and their kinds."""
 REGRESSION_PREFIX = "regression."
 
 METRIC_PATTERNS: tuple[str, ...] = (
@@ -67,6 +73,8 @@ METRIC_PATTERNS: tuple[str, ...] = (
     "overlap.share",
     f"slo.<class>.{{{','.join(SLO_STATS)}}}",
     "goodput.rps",
+    f"spec.{{{','.join(SPEC_RATIOS + SPEC_TIMES)}}}",
+    f"session.{{{','.join(SESSION_KINDS)}}}",
     "counters.<name>",
     "regression.<any of the above>",
 )
@@ -140,6 +148,11 @@ def metric_kind(name: str) -> MetricKind:
         return MetricKind.RATIO
     if name == "goodput.rps":
         return MetricKind.RATE
+    if parts[0] == "spec" and len(parts) == 2 and parts[1] in SPEC_RATIOS + SPEC_TIMES:
+        return MetricKind.RATIO if parts[1] in SPEC_RATIOS else MetricKind.TIME
+    if parts[0] == "session" and ".".join(parts[1:]) in SESSION_KINDS:
+        return {"ratio": MetricKind.RATIO, "count": MetricKind.COUNT,
+                "time": MetricKind.TIME}[SESSION_KINDS[".".join(parts[1:])]]
     if parts[0] == "counters" and len(parts) == 2 and parts[1]:
         return MetricKind.COUNT
     if parts[0] == "slo" and len(parts) >= 3 and parts[-1] in SLO_STATS:

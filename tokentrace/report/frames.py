@@ -17,7 +17,7 @@ __all__ = ["PERCENT_SUFFIXES", "format_cell", "frame_cells"]
 
 PERCENT_SUFFIXES: tuple[str, ...] = (
     "attainment", "hit_rate", "utilisation", "fluidity", "fluidity_index", "rel_change", "relative_error",
-    "reload_ratio",
+    "reload_ratio", "acceptance_rate",
 )
 """Columns whose values are fractions 0..1, shown as percentages (as is any column naming a share)."""
 

@@ -12,7 +12,10 @@ Metric names (the budget namespace, values in ms for times, fractions for shares
 ``<ttft|tpot|itl|e2e>.<mean|p50|p90|p99|p99.9>``,
 ``stage.<stage>.<share_of_ttft|share_of_itl|tail_share_of_ttft|tail_share_of_itl>``,
 ``unattributed.share`` (signed), ``overlap.share``, ``slo.<class>.attainment``, ``slo.<class>.fluidity``
-(class ``all`` = every request, ``none`` = requests without a class), ``goodput.rps`` and ``counters.<name>``.
+(class ``all`` = every request, ``none`` = requests without a class), ``goodput.rps``, ``counters.<name>`` and,
+when the run speculated, ``spec.<acceptance_rate|draft_share_of_decode|rejected_draft_share|ms_per_token|mean_itl>``,
+and when it had sessions, ``session.<reuse_fraction|lost_tokens|extra_prefill_ms|load_ms|ttft_sum.mean|ttft_sum.p90|
+think.mean>`` (:mod:`tokentrace.report.sessions`).
 A metric the run did not measure is NaN (``null`` in JSON), never 0: a budget on it fails.
 
 The report's first lines (:attr:`Report.headline`) are the load verdict (offered
@@ -26,14 +29,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
 from tokentrace.report.budget import Budget, BudgetError, BudgetResult, Change, evaluate
 from tokentrace.report.headline import advice_sentence, attribution_sentence, load_sentence
 from tokentrace.report.sections import SECTION_BUILDERS, Context, Section, stage_shares
-from tokentrace.schema import SPANS, STEPS, col
+from tokentrace.report.sessions import session_comparison, session_metrics
+from tokentrace.report.speculative import spec_metrics
+from tokentrace.schema import SPANS, SPEC_STEPS, STEPS, col
 from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
 
 __all__ = ["RunHeader", "Charts", "Report", "build_report", "run_metrics", "metric_changes", "load_summary",
@@ -77,6 +82,7 @@ class Charts:
     breakdown: pd.DataFrame  # stage breakdown, stages that took time
     windows: pd.DataFrame  # latency per time window: window_start_s, metric, p50_ms, p99_ms, ...
     queues: pd.DataFrame  # queue timeline: instance, t_s, waiting, running, preempted
+    speculation: Any = None  # analyzers.speculative.SpecReport when the run speculated, else None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -113,11 +119,13 @@ def _header(run: Any, rows: dict[str, int]) -> RunHeader:
                      instances=tuple(run.instances()), counters=dict(run.counters()))
 
 
-def _analysis(run: Any) -> Any:
-    """The run's analyses, ``analyzers.analysis.RunAnalysis`` (imported when a report is built)."""
+def _analysis(run: Any, engine: str | None = None, engine_options: Mapping[str, Any] | None = None) -> Any:
+    """The run's analyses, ``analyzers.analysis.RunAnalysis`` (imported when a report is built), on ``engine``
+    (``"duckdb"``, the default, or ``"spark"``; ``engine_options`` e.g. Spark's ``master``)."""
     from analyzers.analysis import RunAnalysis
+    from analyzers.engine import open_engine
 
-    return RunAnalysis(run)
+    return RunAnalysis(run, engine=open_engine(engine, **dict(engine_options or {})))
 
 
 def _class_name(value: Any) -> str:
@@ -151,6 +159,10 @@ def run_metrics(ctx: Context, counters: dict[str, int]) -> dict[str, float]:
         overall = g[g[col.SLO_CLASS] == "*"]
         if len(overall):
             out["goodput.rps"] = float(overall["goodput_rps"].iloc[0])
+    if ctx.has("speculation") and ctx.rows.get(SPEC_STEPS.name, 0):
+        out.update(spec_metrics(ctx.get("speculation")))
+    if ctx.has("sessions"):
+        out.update(session_metrics(ctx.get("sessions")))
     for name, value in counters.items():
         out[f"counters.{name}"] = float(value)
     return out
@@ -234,7 +246,9 @@ def _charts(ctx: Context, header: RunHeader) -> Charts:
     windows = ctx.get("latency", window_s=ctx.bucket_s) if ctx.has("latency") else empty
     queues = (ctx.get("queues", bucket_s=ctx.bucket_s).timeline
               if ctx.has("queues") and header.rows.get(STEPS.name, 0) else empty)
-    return Charts(latency=latency, breakdown=breakdown, windows=windows, queues=queues)
+    speculation = (ctx.get("speculation")
+                   if ctx.has("speculation") and header.rows.get(SPEC_STEPS.name, 0) else None)
+    return Charts(latency=latency, breakdown=breakdown, windows=windows, queues=queues, speculation=speculation)
 
 
 def load_summary(ctx: Context) -> dict[str, Any]:
@@ -272,8 +286,12 @@ def _bucket_s(ctx: Context) -> float:
 
 
 def build_report(run: Any, rows: dict[str, int], *, baseline: tuple[Any, dict[str, int]] | None = None,
-                 budgets: Sequence[Budget] = (), num_slowest: int = 10) -> Report:
+                 budgets: Sequence[Budget] = (), num_slowest: int = 10, engine: str | None = None,
+                 engine_options: Mapping[str, Any] | None = None) -> Report:
     """Gather the report of ``run`` (an opened ``Run``; ``rows``: its rows per table).
+
+    ``engine`` / ``engine_options``: what the analyses run on (``analyzers.engine.open_engine``); the
+    baseline runs on the same.
 
     ``baseline``: (run, rows) of the run to compare with. Raises ``BudgetError``
     before any analysis when a regression budget has no baseline. Runs on the
@@ -283,7 +301,7 @@ def build_report(run: Any, rows: dict[str, int], *, baseline: tuple[Any, dict[st
     if needs and baseline is None:
         raise BudgetError(f"budget {needs[0]!r} compares with a baseline run: pass --baseline STORE[:RUN]")
     header = _header(run, rows)
-    ctx = Context(_analysis(run), rows, num_slowest=num_slowest)
+    ctx = Context(_analysis(run, engine, engine_options), rows, num_slowest=num_slowest)
     ctx.bucket_s = _bucket_s(ctx)
     sections = [build(ctx) for build in SECTION_BUILDERS]
     metrics = run_metrics(ctx, header.counters)
@@ -291,10 +309,16 @@ def build_report(run: Any, rows: dict[str, int], *, baseline: tuple[Any, dict[st
     if baseline is not None:
         base_run, base_rows = baseline
         base_header = _header(base_run, base_rows)
-        base_ctx = Context(_analysis(base_run), base_rows)
+        base_ctx = Context(_analysis(base_run, engine, engine_options), base_rows)
         if ctx.has("diff"):
             diff = ctx.analysis.diff(base_ctx.analysis)
-        changes = metric_changes(metrics, run_metrics(base_ctx, base_header.counters), diff)
+        base_metrics = run_metrics(base_ctx, base_header.counters)
+        changes = metric_changes(metrics, base_metrics, diff)
+        compared = session_comparison(metrics, base_metrics)
+        if len(compared):  # e.g. two KV retention policies, run against run
+            sections.append(Section("sessions_diff", f"Sessions against the baseline ({base_header.run_id})",
+                                    "Cross-turn reuse and what lost KV cost, baseline and this run.",
+                                    (("Session metrics", compared),)))
     regressions = _regressions(diff)
     sections.append(_diff_section(diff, regressions, base_header))
     sections.append(_counters_section(header.counters))

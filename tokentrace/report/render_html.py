@@ -3,7 +3,9 @@
 plotly.js is inlined (tokentrace's basic partial bundle,
 :mod:`tokentrace.report.plotly_bundle`, 1.2 MB): the file opens offline, from a
 CI artifact, with no CDN. Charts: latency percentiles, stage shares of TTFT and
-ITL (mean and tail) as stacked bars, latency and queue lengths over time.
+ITL (mean and tail) as stacked bars, latency and queue lengths over time, and, when
+the run speculated, acceptance, draft cost and ITL by batch size
+(:mod:`tokentrace.report.speculative_charts`).
 Every table of the Markdown report follows. Pure function of a :class:`Report`;
 plotly is imported inside :func:`render_html`.
 """
@@ -16,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from tokentrace.palette import label_colour
+from tokentrace.report import speculative_charts as spec_charts
 from tokentrace.report.budget import format_value
 from tokentrace.report.frames import frame_cells
 from tokentrace.report.model import Report
@@ -50,10 +53,10 @@ def html_table(df: pd.DataFrame, names: dict[int, str] | None = None) -> str:
     return f"<div class='table-wrap'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
-def _figure_html(fig: Any, div_id: str) -> str:
-    fig.update_layout(height=380, margin={"l": 60, "r": 20, "t": 50, "b": 50}, template="plotly_white",
+def _figure_html(fig: Any, div_id: str, *, height: int = 380) -> str:
+    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 50, "b": 50}, template="plotly_white",
                       separators=".,")
-    if fig.layout.yaxis.type != "log":
+    if fig.layout.yaxis.type != "log" and not fig.layout.yaxis.tickformat:  # (a chart of shares keeps its %)
         fig.update_yaxes(tickformat=",~r")  # 30,600, never 3.06e+4
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
 
@@ -121,6 +124,20 @@ def _diff_chart(go: Any, diff: pd.DataFrame | None) -> str:
     fig.update_layout(title="Change against the baseline (%): red = significant regression, "
                             "green = significant improvement", yaxis_title="% change")
     return _figure_html(fig, "chart-diff")
+
+
+def _speculative_charts(go: Any, rep: Any) -> str:
+    """Acceptance by draft position, accepted proposals per step, draft cost, ITL by batch size; nothing without
+    speculation (its section says so)."""
+    if rep is None or rep.is_empty:
+        return ""
+    out = [_figure_html(spec_charts.acceptance_figure(go, rep.by_position), "chart-spec-acceptance"),
+           _figure_html(spec_charts.accepted_per_step_figure(go, rep.accepted_per_step), "chart-spec-accepted")]
+    if len(rep.cost) and len(rep.rejected):
+        out.append(_figure_html(spec_charts.cost_figure(go, rep.cost, rep.rejected), "chart-spec-cost", height=240))
+    if len(rep.by_batch):
+        out.append(_figure_html(spec_charts.itl_by_batch_figure(go, rep.by_batch), "chart-spec-itl"))
+    return "".join(out)
 
 
 def _instance_names(report: Report) -> dict[int, str]:
@@ -193,7 +210,7 @@ def render_html(report: Report) -> str:
     regressions = "".join(f"<li class='fail'>{html.escape(r)}</li>" for r in report.regressions)
     charts = (_latency_chart(go, report.charts.latency) + _breakdown_chart(go, report.charts.breakdown)
               + _timeline_charts(go, report.charts.windows, report.charts.queues, _instance_names(report))
-              + _diff_chart(go, report.diff))
+              + _speculative_charts(go, report.charts.speculation) + _diff_chart(go, report.diff))
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"

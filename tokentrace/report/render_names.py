@@ -31,7 +31,7 @@ ID_COLUMNS: tuple[str, ...] = (col.INSTANCE_ID, col.REQUEST_ID)
 """Integer id columns: never shown as numbers (instances are named, requests sent as text)."""
 
 PERCENT_WORDS: tuple[str, ...] = ("share", "attainment", "hit_rate", "utilisation", "fluidity", "rel_change",
-                                  "relative_error", "reload_ratio")
+                                  "relative_error", "reload_ratio", "acceptance_rate")
 """Column names holding a fraction 0..1 (shown as a percentage) contain one of these."""
 
 _LABELS: dict[str, str] = {
@@ -49,13 +49,17 @@ _LABELS: dict[str, str] = {
     "ci_low": "95% CI low", "ci_high": "95% CI high", "n_baseline": "n baseline", "n_candidate": "n candidate",
     "bytes": "bytes moved", "batch_size_lo": "batch size (from)", "lacks": "lacks (instances)",
     "gb_per_s": "GB/s", "work_per_s": "work (per s)",
+    "batch_size_hi": "batch size (to)", "ms_per_token": "amortized per token (ms)",
+    "spec_ms_per_token": "speculative, amortized per token (ms)",
+    "plain_ms_per_token": "plain, amortized per token (ms)", "mean_carrier_itl_ms": "ITL of a step's first token (ms)",
+    "spec_tokens_per_step": "speculative tokens per step", "draft_sources": "draft sources",
 }
 _UNIT_SUFFIXES: tuple[tuple[str, str], ...] = (
     ("_ms", "ms"), ("_rps", "req/s"), ("_tokens_per_s", "tokens/s"), ("_blocks_per_s", "blocks/s"),
     ("_per_s", "per s"), ("_s", "s"), ("_bytes", "bytes"), ("_ns", "ns"),
 )
 _ABBREVIATIONS = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "end-to-end", "slo": "SLO", "kv": "KV",
-                  "p50": "p50", "num": ""}
+                  "p50": "p50", "num": "", "spec": "speculative"}
 
 
 def is_percent_column(column: str) -> bool:

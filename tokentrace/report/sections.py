@@ -25,7 +25,9 @@ from tokentrace.report.headline import (
     load_sentence,
     slo_not_measured,
 )
-from tokentrace.schema import CACHE_EVENTS, SPANS, STEPS, UNATTRIBUTED_LABEL, Stage, col
+from tokentrace.report.sessions import session_sentences, session_tables
+from tokentrace.report.speculative import NO_SPECULATION, speculation_sentences, speculation_tables
+from tokentrace.schema import CACHE_EVENTS, SPANS, SPEC_STEPS, STEPS, UNATTRIBUTED_LABEL, Stage, col
 
 __all__ = ["Section", "Context", "SECTION_BUILDERS", "stage_shares", "hidden_stages", "HIDDEN_SHARE"]
 
@@ -294,6 +296,24 @@ def batch_section(ctx: Context) -> Section:
     return Section("batch", title, "Steps binned by the number of sequences in the batch.", tables)
 
 
+def speculative_section(ctx: Context) -> Section:
+    title = "Speculative decoding"
+    if (gone := _missing(ctx, "speculative", title, "speculation")) is not None:
+        return gone
+    if ctx.rows.get(SPEC_STEPS.name, 0) == 0:
+        return Section("speculative", title, NO_SPECULATION)
+    rep = ctx.get("speculation")
+    return Section("speculative", title, " ".join(speculation_sentences(rep)), speculation_tables(rep))
+
+
+def sessions_section(ctx: Context) -> Section:
+    title = "Sessions and KV retention between turns"
+    if (gone := _missing(ctx, "sessions", title, "sessions")) is not None:
+        return gone
+    rep = ctx.get("sessions")
+    return Section("sessions", title, " ".join(session_sentences(rep)), session_tables(rep))
+
+
 def tenants_section(ctx: Context) -> Section:
     title = "Tenants and fairness"
     if (gone := _missing(ctx, "tenants", title, "tenants")) is not None:
@@ -330,6 +350,6 @@ def agreement_section(ctx: Context) -> Section:
 SECTION_BUILDERS: tuple[Callable[[Context], Section], ...] = (
     load_section, latency_section, slo_section, breakdown_section, loop_section, slowest_section, queues_section,
     cache_section,
-    pd_section, batch_section, tenants_section, agreement_section,
+    pd_section, batch_section, speculative_section, sessions_section, tenants_section, agreement_section,
 )
 """Builders in report order (the diff, budgets and counters are added by the model)."""

@@ -108,12 +108,29 @@ def test_workers_exit_when_the_launcher_is_killed():
     (["--router", "random"], "unknown router policy"),
     (["--delay", "nowhere=5ms"], "unknown delay stage"),
     (["--num-device-blocks", "0"], "num_device_blocks"),
+    (["--speculative", "medusa"], "invalid choice"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    (["--model", "trained", "--speculative", "early_exit", "--speculative-exit-layer", "6"], "early exit needs"),
 ])
 def test_bad_options_exit_2_with_a_message(args, message):
     done = subprocess.run([sys.executable, "-m", "reference_server", "--port", "0", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_speculative_options_reach_the_engine_config():
+    from reference_server.launcher import build_engine_config, parse_args
+
+    config = build_engine_config(parse_args(["--model", "trained", "--speculative", "model",
+                                             "--num-speculative-tokens", "3", "--speculative-budget", "6",
+                                             "--speculative-draft-model", "tiny", "--speculative-exit-layer", "1",
+                                             "--speculative-ngram-min", "3"]))
+    assert (config.model, config.speculative, config.num_speculative_tokens, config.speculative_budget,
+            config.speculative_draft_model, config.speculative_exit_layer, config.speculative_ngram_min) == (
+        "trained", "model", 3, 6, "tiny", 1, 3)
+    assert config.checkpoint_path is not None and config.checkpoint_path.endswith("trained")
+    assert build_engine_config(parse_args([])).speculative is None  # off by default
 
 
 def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker_starts():

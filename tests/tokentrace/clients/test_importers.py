@@ -66,6 +66,9 @@ def test_real_aiperf_run_fills_the_client_lane_matched_by_request_id(aiperf_stor
         assert row[col.NUM_OUTPUT_TOKENS] == rec["metrics"]["usage_completion_tokens"]["value"]
         assert row[col.NUM_CACHED_TOKENS] == rec["metrics"]["usage_prompt_cache_read_tokens"]["value"]
         assert row[col.STATUS] == RequestStatus.OK
+        # AIPerf's conversation and turn become the session
+        assert (row[col.SESSION], row[col.SESSION_TURN]) == (rec["metadata"]["conversation_id"],
+                                                             rec["metadata"]["turn_index"])
     # the client's send is before the server saw the request, by connection set-up and accept
     server = {r[col.REQUEST_KEY]: r[col.ARRIVAL_NS] for r in t["requests"].to_pylist()
               if r[col.INSTANCE_ID] != cid and r[col.ARRIVAL_NS] is not None}

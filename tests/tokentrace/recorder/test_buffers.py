@@ -69,9 +69,9 @@ def test_out_of_range_rows_are_left_out_and_their_side_strings_released():
     pack = layout.packer.pack
     chunk = array("q")
     for status, key in ((0, "good"), (99, "bad-status"), (1, "also-good")):
-        chunk.frombytes(pack(5, side.put(key), labels.intern("t"), 0, 1, -1, -1, 2, -1, -1, -1, status, 0, -1))
+        chunk.frombytes(pack(5, side.put(key), labels.intern("t"), 0, 1, -1, -1, 2, -1, -1, -1, status, 0, -1, 0, -1))
     decoders = {col.REQUEST_KEY: side.decode, col.TRACE_ID: side.decode, col.TENANT: labels.decode,
-                col.SLO_CLASS: labels.decode, col.ERROR: labels.decode}
+                col.SLO_CLASS: labels.decode, col.ERROR: labels.decode, col.SESSION: labels.decode}
     batch, num_invalid = to_record_batch(layout, chunk, instance_id=3, decoders=decoders)
     assert num_invalid == 1 and len(side) == 0
     assert batch.column(col.REQUEST_KEY).to_pylist() == ["good", "also-good"]

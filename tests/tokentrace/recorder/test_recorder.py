@@ -19,10 +19,12 @@ from tokentrace.schema import (
     LOOP_LAGS,
     REQUESTS,
     SPANS,
+    SPEC_STEPS,
     STEPS,
     TABLES,
     TOKENS,
     CacheEventKind,
+    DraftSource,
     RequestStatus,
     Role,
     Stage,
@@ -52,7 +54,7 @@ def rec(sink):
 
 def test_every_table_round_trips_exact_values(sink, rec):
     rid = rec.request_begin("req-1", tenant="acme", slo_class="interactive", arrival_ns=100,
-                            num_prompt_tokens=12, trace_id="ab" * 16)
+                            num_prompt_tokens=12, trace_id="ab" * 16, session="chat-9", session_turn=3)
     assert rid == request_id_of("req-1")
     rec.span(rid, Stage.PREFILL_COMPUTE, 110, 150, 0, 7, 4096, Tier.HOST, 3)
     rec.token(rid, 0, emit_ns=150, sent_ns=160, recv_ns=170, step=7)
@@ -63,6 +65,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
     rec.instance(role=Role.DECODE, name="decode-1", host="h1", pid=99,
                  anchor=Anchor(mono_ns=5, wall_ns=6), clock_offset_ns=-7, clock_rtt_ns=8)
     rec.loop_lag(300, 340)
+    rec.spec_step(rid, 7, DraftSource.NGRAM, 4, 3, 5, 120, 125, 126, 150, 3, 2)
     rec.flush()
 
     assert rows(sink, REQUESTS) == [{
@@ -70,7 +73,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
         col.SLO_CLASS: "interactive", col.ARRIVAL_NS: 100, col.FIRST_TOKEN_NS: 160,
         col.FIRST_CONTENT_NS: 165, col.FINISH_NS: 200, col.NUM_PROMPT_TOKENS: 12, col.NUM_CACHED_TOKENS: 8,
         col.NUM_OUTPUT_TOKENS: 1, col.STATUS: int(RequestStatus.ERROR), col.ERROR: "oom",
-        col.TRACE_ID: "ab" * 16,
+        col.TRACE_ID: "ab" * 16, col.SESSION: "chat-9", col.SESSION_TURN: 3,
     }]
     assert rows(sink, SPANS) == [{
         col.REQUEST_ID: rid, col.STAGE: int(Stage.PREFILL_COMPUTE), col.TOKEN_INDEX: 0,
@@ -99,6 +102,12 @@ def test_every_table_round_trips_exact_values(sink, rec):
         col.CLOCK_RTT_NS: 8,
     }]
     assert rows(sink, LOOP_LAGS) == [{col.INSTANCE_ID: 42, col.START_NS: 300, col.END_NS: 340}]
+    assert rows(sink, SPEC_STEPS) == [{
+        col.INSTANCE_ID: 42, col.REQUEST_ID: rid, col.STEP: 7, col.DRAFT_SOURCE: int(DraftSource.NGRAM),
+        col.NUM_PROPOSED: 4, col.NUM_ACCEPTED: 3, col.FIRST_TOKEN_INDEX: 5, col.DRAFT_START_NS: 120,
+        col.DRAFT_END_NS: 125, col.VERIFY_START_NS: 126, col.VERIFY_END_NS: 150, col.BATCH_SIZE: 3,
+        col.NUM_SPEC_SEQS: 2,
+    }]
     for name in TABLES:
         assert sink.table(name).schema.equals(TABLES[name].schema, check_metadata=True)
     counters = rec.counters

@@ -13,6 +13,7 @@ from tokentrace.report.model import build_report
 from tokentrace.schema import REQUESTS, SPANS, Stage
 
 SECTION_KEYS = ["load", "latency", "slo", "stage_breakdown", "loop_lag", "slowest_requests", "queues", "cache", "pd_ratio", "batch",
+                "speculative", "sessions",
                 "tenants", "agreement", "diff", "counters"]
 
 

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tokentrace.cli import app, register_commands
-from tokentrace.schema import SPANS, STEPS, TOKENS, col
+from tokentrace.schema import SCHEMA_VERSION, SPANS, STEPS, TOKENS, col
 from tokentrace.store import CorruptFileWarning, StoreError, StoreWriter, list_runs, open_run
 
 register_commands()
@@ -51,7 +51,8 @@ def _add_part(run_dir: Path, table_name: str, data: pa.Table, number: int = 9) -
 
 
 @pytest.mark.parametrize("changes,fragment", [
-    ({"schema_version": 99}, "says schema version 99, newer than this tokentrace reads (2); upgrade tokentrace"),
+    ({"schema_version": 99},
+     f"says schema version 99, newer than this tokentrace reads ({SCHEMA_VERSION}); upgrade tokentrace"),
     ({"schema_version": "two"}, "invalid schema version 'two'"),
     ({"schema_version": -1}, "older than the oldest readable"),
     ({"format": "someone-elses-run"}, "of format 'someone-elses-run'"),

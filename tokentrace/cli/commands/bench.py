@@ -54,6 +54,11 @@ def bench_command(
     fail_on_error: Annotated[bool, typer.Option("--fail-on-error", help="Exit 1 if any request failed.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every random choice (lengths, arrivals, tenants).")] = 0,
     processes: Annotated[int, typer.Option(help="Client processes that send and time the requests (the plan dealt round-robin); this one only records and reports. 0 = send from this process.")] = 1,
+    sessions: Annotated[str, typer.Option(help="Multi-turn sessions instead of single requests: agent, chat, or trace (conversations rebuilt from --workload, a Mooncake trace). Sent from this process.")] = "",
+    num_sessions: Annotated[int, typer.Option(help="Sessions in the plan (agent, chat; trace: its first --max-requests requests make the sessions).")] = 10,
+    session_rate: Annotated[Optional[float], typer.Option(help="Sessions starting per second, Poisson (inf = all at once). Default: 1 for agent and chat, the trace's own starts for trace.")] = None,
+    think_time: Annotated[str, typer.Option(help="Think/tool-call time between turns instead of the mix's: fixed:S, uniform:A-B, exp:mean=M, lognormal:median=M,sigma=S.")] = "",
+    turns: Annotated[str, typer.Option(help="Turns per session instead of the mix's (fixed:N, uniform:A-B, ...).")] = "",
 ) -> None:
     """Drive an OpenAI-compatible server and measure it from the client side."""
     from tokentrace.bench.arrivals import Arrivals
@@ -66,6 +71,14 @@ def bench_command(
 
     if output not in ("text", "json"):
         _usage_error(f"--output must be text or json, got {output!r}")
+    if sessions:
+        _sessions_command(sessions, url=url, endpoint=endpoint, model=model, workload=workload,
+                          time_scale=time_scale, length_scale=length_scale, max_requests=max_requests,
+                          duration=duration, drain=drain, concurrency=concurrency, tenants=tenants,
+                          slo_class_mix=slo_class_mix, slo=slo, timeout=timeout, store=store, run=run, output=output,
+                          fail_on_error=fail_on_error, seed=seed, num_sessions=num_sessions,
+                          session_rate=session_rate, think_time=think_time, turns=turns, block_size=block_size)
+        return
     try:
         opts = RequestOptions(base_url=url, endpoint=endpoint, model=model, read_timeout_s=timeout)
         limits = RunLimits(duration_s=duration, drain_s=drain, concurrency=concurrency)
@@ -90,6 +103,99 @@ def bench_command(
                     settings={"endpoint": endpoint, "max_concurrency": concurrency,
                               "request_rate": rate if math.isfinite(rate) else "inf",
                               "burstiness": burstiness, "url": url, "processes": processes})
+
+
+def _sessions_command(kind: str, *, url: str, endpoint: str, model: str, workload: str, time_scale: float,
+                      length_scale: float, max_requests: int, duration: float, drain: float, concurrency: int,
+                      tenants: str, slo_class_mix: str, slo: str, timeout: float, store: Path | None, run: str | None,
+                      output: str, fail_on_error: bool, seed: int, num_sessions: int, session_rate: float | None,
+                      think_time: str, turns: str, block_size: int) -> None:
+    """``--sessions``: build the session plan, run it from this process, report as a request run does."""
+    from dataclasses import replace
+
+    from tokentrace.bench.client import RequestOptions
+    from tokentrace.bench.plan import aligned_block_tokens, parse_mix, parse_tenants, resolve_workload_path
+    from tokentrace.bench.runner import RunLimits
+    from tokentrace.bench.sessions import (
+        MIXES,
+        ThinkTime,
+        build_session_plan,
+        describe_mix,
+        mix_sessions,
+        trace_sessions,
+    )
+    from tokentrace.bench.summary import parse_slo
+    from tokentrace.bench.synthetic import LengthDist
+    from tokentrace.bench.workloads import load_trace
+
+    try:
+        opts = RequestOptions(base_url=url, endpoint=endpoint, model=model, read_timeout_s=timeout)
+        limits = RunLimits(duration_s=duration, drain_s=drain, concurrency=concurrency)
+        slo_ms = parse_slo(slo) if slo else {}
+        if num_sessions < 1:
+            raise ValueError(f"--num-sessions must be >= 1, got {num_sessions}")
+        if kind == "trace":
+            path = resolve_workload_path("mooncake" if workload == "synthetic" else workload)
+            loaded = load_trace(path, time_scale=time_scale, length_scale=length_scale, max_requests=max_requests)
+            made = trace_sessions(loaded, seed=seed,
+                                  block_tokens=aligned_block_tokens(loaded.scaling.block_tokens, block_size or None))
+            desc = [f"sessions rebuilt from {loaded.scaling.describe()} (turns chained by hash-id prefix)"]
+            rate = session_rate
+        elif kind in MIXES:
+            mix = MIXES[kind]
+            if think_time:
+                mix = replace(mix, think=ThinkTime.parse(think_time))
+            if turns:
+                mix = replace(mix, turns=LengthDist.parse(turns))
+            made = mix_sessions(mix, num_sessions, length_scale=length_scale, time_scale=time_scale, seed=seed)
+            desc = [describe_mix(mix, num_sessions=num_sessions)
+                    + (f"; lengths x{length_scale:g}, think x{time_scale:g}" if (length_scale, time_scale) != (1, 1)
+                       else "")]
+            rate = 1.0 if session_rate is None else session_rate
+        else:
+            raise ValueError(f"unknown --sessions {kind!r}; choose agent, chat or trace")
+        plan = build_session_plan(made, session_rate=rate, tenants=parse_tenants(tenants) if tenants else (),
+                                  slo_mix=parse_mix(slo_class_mix) if slo_class_mix else None,
+                                  key_prefix=_key_prefix(run, seed), seed=seed, description=desc,
+                                  config={"workload": f"sessions:{kind}", "seed": seed})
+    except ValueError as err:
+        _usage_error(str(err))
+    _run_sessions_and_report(plan, opts, limits, slo_ms=slo_ms, store=store, run_id=run, output=output,
+                             fail_on_error=fail_on_error,
+                             settings={"endpoint": endpoint, "max_concurrency": concurrency, "url": url,
+                                       "sessions": kind})
+
+
+def _run_sessions_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, float], store: Path | None,
+                             run_id: str | None, output: str, fail_on_error: bool, settings: dict[str, Any]) -> None:
+    from dataclasses import replace
+
+    from tokentrace.bench.progress import LiveProgress
+    from tokentrace.bench.sessions import run_sessions
+    from tokentrace.bench.summary import render_text, summarize
+
+    if not opts.model:
+        opts = replace(opts, model=_first_model(opts.base_url))
+    settings = {**settings, "model": opts.model}
+    info = sys.stderr if output == "json" else sys.stdout
+    for line in plan.description:
+        print(line, file=info)
+    progress = LiveProgress(plan.num_turns) if output == "text" and sys.stderr.isatty() else None
+    try:
+        result, sent = run_sessions(plan, opts, limits, store=store, run_id=run_id, progress=progress,
+                                    config={"settings": settings, "slo_ms": slo_ms})
+    except OSError as err:
+        _usage_error(f"cannot write the store {store}: {err}")
+    summary = summarize(sent, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
+                        settings={**settings, "run_id": result.run_id, "workload": plan.config})
+    if output == "json":
+        print(json.dumps(summary.as_dict(), indent=2, default=str))
+    else:
+        print(render_text(summary))
+        if result.run_path is not None:
+            print(f"client view recorded in {result.run_path} (run {result.run_id})")
+    if fail_on_error and summary.num_failed:
+        raise typer.Exit(EXIT_FAILED_REQUESTS)
 
 
 def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, float], store: Path | None,

@@ -24,7 +24,12 @@ def demo_command(
     requests: Annotated[int, typer.Option(min=1, help="Requests of the trace to replay (its first N).")] = 80,
     no_dashboard: Annotated[bool, typer.Option("--no-dashboard", help="Print the report and exit.")] = False,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Dashboard port on 127.0.0.1.")] = 8050,
-    model: Annotated[str, typer.Option(help="Reference model preset (tiny, small).")] = "small",
+    model: Annotated[Optional[str], typer.Option(
+        help="Reference model: a preset (tiny, small: random weights) or the bundled trained model (trained). "
+             "Default: small; trained with --speculative.")] = None,
+    speculative: Annotated[bool, typer.Option(
+        "--speculative", help="Speculative decoding on the decode worker: the bundled draft model proposes "
+                              "tokens for the trained model, which verifies them.")] = False,
     time_scale: Annotated[float, typer.Option(help="Multiply the trace's arrival times (<1 = faster).")] = 1.0,
     length_scale: Annotated[float, typer.Option(help="Multiply prompt lengths.")] = 1 / 64,
     output_scale: Annotated[float, typer.Option(help="Multiply output lengths (the trace's; 1/16: ~22 tokens "
@@ -33,19 +38,26 @@ def demo_command(
     trace: Annotated[Optional[Path], typer.Option(help="Mooncake JSONL trace (default: the shared one).")] = None,
     run: Annotated[Optional[str], typer.Option(help="Run id to write (default: a new time-stamped id).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: the server's choice).")] = None,
+    sessions: Annotated[Optional[str], typer.Option(
+        help="Multi-turn sessions instead of the trace: agent (short tool-call turns on a long context) or chat.")]
+    = None,
+    num_sessions: Annotated[int, typer.Option(min=1, help="Sessions to run with --sessions.")] = 12,
+    kv_retention: Annotated[str, typer.Option(
+        help="The server's KV retention between a session's turns: lru, keep, offload or drop.")] = "lru",
 ) -> None:
     """Replay a real trace through the traced reference server, print where the time went, serve the dashboard.
 
     The reference server runs disaggregated under `tokentrace run`; a Mooncake slice drives it.
     Three tenants share it."""
-    from tokentrace.demo import DemoOptions, run_demo
+    from tokentrace.demo import SPECULATIVE_SOURCE, DemoOptions, run_demo
     from tokentrace.demo.server import ServerStartError
     from tokentrace.store import StoreError
 
     opts = DemoOptions(store=store, num_requests=requests, model=model, time_scale=time_scale,
                        length_scale=length_scale, output_scale=output_scale, block_size=block_size, trace=trace,
-                       run=run,
-                       dashboard=not no_dashboard, port=port, device=device)
+                       run=run, dashboard=not no_dashboard, port=port, device=device,
+                       speculative=SPECULATIVE_SOURCE if speculative else None, sessions=sessions,
+                       num_sessions=num_sessions, kv_retention=kv_retention)
     try:
         run_demo(opts)
     except ServerStartError as err:

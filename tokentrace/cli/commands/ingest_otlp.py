@@ -36,6 +36,11 @@ def ingest_otlp_command(
         help="Attribute holding the SLO class (repeatable; default tokentrace.slo_class).")] = None,
     slo_class_header: Annotated[Optional[list[str]], typer.Option(
         help="Request header holding the SLO class (default X-SLO-Class).")] = None,
+    session_attribute: Annotated[Optional[list[str]], typer.Option(
+        help="Attribute holding the session id (repeatable; default tokentrace.session, gen_ai.conversation.id).")]
+    = None,
+    session_header: Annotated[Optional[list[str]], typer.Option(
+        help="Request header holding the session id (default X-Session-Id).")] = None,
 ) -> None:
     """Receive OTLP traces (e.g. vLLM's) into a store until Ctrl-C / SIGTERM: HTTP, and gRPC with --grpc-listen.
 
@@ -61,7 +66,8 @@ def ingest_otlp_command(
         return tuple(attributes or ()) + tuple(header_attribute(h) for h in headers or ())
 
     options = IngestOptions(tenant_keys=keys(tenant_attribute, tenant_header, defaults.tenant_keys),
-                            slo_class_keys=keys(slo_class_attribute, slo_class_header, defaults.slo_class_keys))
+                            slo_class_keys=keys(slo_class_attribute, slo_class_header, defaults.slo_class_keys),
+                            session_keys=keys(session_attribute, session_header, defaults.session_keys))
 
     try:
         host, port = parse_listen(listen)

@@ -47,6 +47,13 @@ def exit_on_bad_input() -> Iterator[None]:
         except OSError as err:
             typer.echo(f"error: {err.filename or 'a file'}: {err.strerror or err}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
+        except RuntimeError as err:
+            from analyzers.spark_engine import SparkUnavailableError
+
+            if not isinstance(err, SparkUnavailableError):
+                raise
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
 def _formats(text: str) -> list[str]:
@@ -70,6 +77,12 @@ def report_command(
     out: Annotated[Optional[Path], typer.Option("--out", help="Folder to write the reports into "
                                                               "(default: one format to stdout).")] = None,
     slowest: Annotated[int, typer.Option("--slowest", min=1, help="Slowest requests to list.")] = 10,
+    engine: Annotated[str, typer.Option("--engine", help="What runs the analyses: duckdb (embedded) or spark "
+                                                         "(pip install 'tokentrace[spark]' and a Java runtime).")]
+    = "duckdb",
+    spark_master: Annotated[str, typer.Option("--spark-master", help="Spark master URL for --engine spark "
+                                                                     "(local[*], spark://host:7077, yarn, ...).")]
+    = "local[*]",
 ) -> None:
     """Report on a run: latency, SLOs, stage breakdown, queues, cache, tenants, diff; check budgets."""
     from tokentrace.report import FILE_NAMES, ReportInputError, make_report, render
@@ -78,7 +91,8 @@ def report_command(
         formats = _formats(fmt)
         if out is None and len(formats) > 1:
             raise ReportInputError(f"--out DIR is needed to write more than one format ({', '.join(formats)})")
-        report = make_report(store, run, baseline=baseline, budget_file=budget, num_slowest=slowest)
+        report = make_report(store, run, baseline=baseline, budget_file=budget, num_slowest=slowest,
+                             engine=engine.strip().lower(), spark_master=spark_master)
         texts = {f: render(report, f) for f in formats}
         if out is None:
             typer.echo(texts[formats[0]], nl=False)

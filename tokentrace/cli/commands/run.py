@@ -10,6 +10,13 @@ worker processes), writes into the same run. SIGINT and SIGTERM are forwarded
 to the command; the exit status is the command's (128 + signal number if a
 signal ended it, 127 if it could not be started).
 
+When the command has ended and every traced process closed its store writer,
+the run's shared analysis facts (per-token and per-request tables that every
+analysis starts from) are derived once and saved next to the run
+(``<run>/_derived``, :mod:`analyzers.derivation`): the run's first report or
+dashboard view then reads them instead of computing them. ``--no-derive`` skips
+that; a run some process did not close (killed) is left to derive on demand.
+
 Tracing never stops the command: a store that cannot be written (a read-only
 mount, a path under a file, a full disk) is one ``tokentrace:`` warning line on
 stderr, and the command runs untraced. The run folder and its manifest are
@@ -32,12 +39,13 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_traced(command: list[str], *, store: Path, run: str | None = None, sample: float | None = None,
-               metrics_port: int | None = None) -> int:
+               metrics_port: int | None = None, derive: bool = True) -> int:
     """Run ``command`` traced into ``store``/``run`` (a new run id if None); its exit status.
 
     Blocks until the command ends; forwards SIGINT/SIGTERM to it meanwhile
     (main thread only). ``metrics_port``: each traced process serves live Prometheus
-    metrics on the first free port from it (:mod:`tokentrace.live_metrics`). ``ValueError``
+    metrics on the first free port from it (:mod:`tokentrace.live_metrics`). ``derive``: save
+    the finished run's analysis facts once the command ended (see the module doc). ``ValueError``
     for an empty command, a bad run id, a sample rate outside (0, 1] or a bad port.
     """
     from instrument.child_env import ENV_RUN, ENV_SAMPLE, ENV_STORE, child_environment
@@ -81,7 +89,37 @@ def run_traced(command: list[str], *, store: Path, run: str | None = None, sampl
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if derive and problem is None:
+        _save_facts(store, run_id)
     return 128 - code if code < 0 else code
+
+
+def _save_facts(store: Path, run_id: str) -> None:
+    """Derive the finished run's shared analysis facts; one line on stderr, never an error.
+
+    The facts are a cache: when they cannot be written (read-only store, full disk) or
+    this is interrupted, analyses compute them from the part files as before.
+    """
+    import time
+
+    from analyzers.derivation import derive, run_is_finished
+    from tokentrace.store import open_run
+    from tokentrace.store.derived import DERIVED_DIR
+
+    try:
+        run = open_run(store, run_id)
+        if not run_is_finished(run):
+            return  # a process did not close its writer (killed): its journal is recovered on first read
+        started = time.monotonic()
+        typer.echo("tokentrace: saving the run's analysis facts for quick reports and views...", err=True)
+        written = derive(run)
+        typer.echo(f"tokentrace: saved {len(written)} fact table(s) in {time.monotonic() - started:.1f} s "
+                   f"({store.resolve() / run_id / DERIVED_DIR})", err=True)
+    except KeyboardInterrupt:
+        typer.echo("tokentrace: interrupted while saving the analysis facts; analyses compute them as needed", err=True)
+    except Exception as err:  # noqa: BLE001 - a cache: the part files remain the answer
+        typer.echo(f"tokentrace: warning: could not save the analysis facts ({err}); "
+                   f"analyses compute them as needed", err=True)
 
 
 def _create_run(store: Path, run_id: str, sample: float | None) -> str | None:
@@ -105,10 +143,15 @@ def run_command(
     metrics_port: Annotated[Optional[int], typer.Option(
         help="Serve live Prometheus metrics (/metrics on 127.0.0.1) from each traced process, on the first "
              "free port from this one.")] = None,
+    derive: Annotated[bool, typer.Option(
+        "--derive/--no-derive",
+        help="When the command has ended, save the run's analysis facts next to it so that its first report "
+             "and dashboard views are quick.")] = True,
 ) -> None:
     """Run a command with every Python process it starts traced (like opentelemetry-instrument)."""
     try:
-        code = run_traced(list(command), store=store, run=run, sample=sample, metrics_port=metrics_port)
+        code = run_traced(list(command), store=store, run=run, sample=sample, metrics_port=metrics_port,
+                          derive=derive)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

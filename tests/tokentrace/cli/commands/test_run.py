@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,3 +61,41 @@ def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+_TRACED_CHILD = """
+import os, sys
+from tokentrace.recorder import BufferedRecorder
+from tokentrace.store import StoreWriter
+w = StoreWriter(os.environ["TOKENTRACE_STORE"], run_id=os.environ["TOKENTRACE_RUN"])
+rec = BufferedRecorder(w, instance_id=w.instance_id, flush_interval_s=600)
+rec.instance(role=3, name="colocated-0")
+rid = rec.request_begin("req-0", tenant="acme", arrival_ns=1_000, num_prompt_tokens=4)
+for i in range(3):
+    rec.span(rid, 9, 2_000 + 1_000 * i, 2_500 + 1_000 * i, token_index=i)
+    rec.token(rid, i, emit_ns=2_500 + 1_000 * i, sent_ns=2_600 + 1_000 * i)
+rec.request_end(rid, first_token_ns=2_600, finish_ns=5_000, num_output_tokens=3)
+if sys.argv[1] == "close":
+    rec.close()
+else:
+    rec.flush()
+    os._exit(0)  # ends without closing its writer, as a killed process would
+"""
+
+
+@pytest.mark.parametrize(("how", "derive", "saved"), [("close", True, True), ("close", False, False),
+                                                     ("crash", True, False)])
+def test_a_finished_run_gets_its_analysis_facts_saved(tmp_path: Path, capsys: Any, how: str, derive: bool,
+                                                      saved: bool) -> None:
+    from analyzers.derivation import run_is_finished
+    from analyzers.facts import DERIVED_FACTS
+    from tokentrace.store import open_run
+    from tokentrace.store.derived import DERIVED_DIR
+
+    status = run_traced([sys.executable, "-c", _TRACED_CHILD, how], store=tmp_path / "st", run="r-1", derive=derive)
+    assert status == 0
+    run = open_run(tmp_path / "st", "r-1")
+    assert run_is_finished(run) is (how == "close")
+    derived = sorted(p.stem for p in (run.path / DERIVED_DIR).glob("*.parquet"))
+    assert derived == (sorted(DERIVED_FACTS) if saved else [])
+    assert ("saved" in capsys.readouterr().err) is saved

@@ -1,0 +1,113 @@
+"""The rows every speculative-decoding figure is computed from (:mod:`analyzers.speculative`).
+
+SQL fragments over ``spec_steps``, the shared token facts (:mod:`analyzers.timing`) and ``steps``, in
+standard SQL (no engine-specific function): :func:`spec_rows_sql` (one row per request per speculative
+step, with the tokens it emitted and its step time) and :func:`token_rows_sql` (one row per delivered
+decode token, speculative or plain). The definitions are in :mod:`analyzers.speculative`'s documentation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from analyzers.source import Source
+from analyzers.timing import LATENCY
+from tokentrace.schema import SPEC_STEPS, STEPS, col
+
+__all__ = ["SPECULATIVE", "PLAIN", "bin_sql", "bin_lo", "spec_rows_sql", "token_rows_sql", "has_speculation",
+           "empty_frame", "ratio"]
+
+SPECULATIVE = "speculative"
+PLAIN = "plain"
+_MAX_BIN_POWER = 20  # batch-size bins up to 2**20 sequences
+
+
+def bin_sql(expr: str) -> str:
+    """The upper end of ``expr``'s power-of-two bin: 1, 2, 4, 8, ... (null for a null or a huge size)."""
+    cases = " ".join(f"WHEN {expr} <= {2 ** p} THEN {2 ** p}" for p in range(_MAX_BIN_POWER + 1))
+    return f"CASE {cases} END"
+
+
+def spec_rows_sql(tt: str) -> str:
+    """CTEs ``spec`` (one row per spec_steps row with k, a, its token range and phase times) and ``spec_rows``
+    (``spec`` with ``emitted`` and ``step_ns``); ``tt`` is the token facts table."""
+    c = col
+    return f"""
+        spec AS (
+            SELECT {c.INSTANCE_ID}, {c.REQUEST_ID}, {c.STEP}, {c.DRAFT_SOURCE}, {c.NUM_PROPOSED} AS k,
+                   {c.NUM_ACCEPTED} AS a, {c.FIRST_TOKEN_INDEX} AS lo,
+                   {c.FIRST_TOKEN_INDEX} + {c.NUM_ACCEPTED} AS hi,
+                   {c.DRAFT_END_NS} - {c.DRAFT_START_NS} AS draft_ns,
+                   {c.VERIFY_END_NS} - {c.VERIFY_START_NS} AS verify_ns,
+                   {c.VERIFY_END_NS} - {c.DRAFT_START_NS} AS phases_ns, {c.BATCH_SIZE} AS batch
+            FROM {SPEC_STEPS.name}
+        ), emitted_tokens AS (
+            SELECT sp.{c.INSTANCE_ID}, sp.{c.REQUEST_ID}, sp.{c.STEP}, COUNT(*) AS n
+            FROM spec sp JOIN {tt} t ON t.{c.REQUEST_ID} = sp.{c.REQUEST_ID}
+                 AND t.{c.TOKEN_INDEX} >= sp.lo AND t.{c.TOKEN_INDEX} <= sp.hi
+            GROUP BY sp.{c.INSTANCE_ID}, sp.{c.REQUEST_ID}, sp.{c.STEP}
+        ), requests_with_tokens AS (
+            SELECT DISTINCT {c.REQUEST_ID} FROM {tt}
+        ), spec_rows AS (
+            SELECT sp.*,
+                   CASE WHEN w.{c.REQUEST_ID} IS NULL THEN sp.a + 1 ELSE COALESCE(e.n, 0) END AS emitted,
+                   COALESCE(st.{c.END_NS} - st.{c.START_NS}, sp.phases_ns) AS step_ns
+            FROM spec sp
+            LEFT JOIN emitted_tokens e ON e.{c.INSTANCE_ID} = sp.{c.INSTANCE_ID}
+                 AND e.{c.REQUEST_ID} = sp.{c.REQUEST_ID} AND e.{c.STEP} = sp.{c.STEP}
+            LEFT JOIN requests_with_tokens w ON w.{c.REQUEST_ID} = sp.{c.REQUEST_ID}
+            LEFT JOIN {STEPS.name} st ON st.{c.INSTANCE_ID} = sp.{c.INSTANCE_ID} AND st.{c.STEP} = sp.{c.STEP}
+        )"""
+
+
+def token_rows_sql(tt: str, ts: str) -> str:
+    """CTEs of :func:`spec_rows_sql` plus ``decode_tokens``: one row per delivered decode token with its
+    ``mode``, ``carrier`` (1 on the token that carries its step), ``batch``, ``step_ns`` (on carriers),
+    ``step_known`` (1 when its step's time is known) and ``beside_spec`` (1 on a plain token whose engine step
+    had speculating requests: a mixed batch)."""
+    c = col
+    plain_step_ns = f"pst.{c.END_NS} - pst.{c.START_NS}"
+    return spec_rows_sql(tt) + f""", speculating_steps AS (
+            SELECT DISTINCT {c.INSTANCE_ID}, {c.STEP} FROM spec
+        ), decode_tokens AS (
+            SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat,
+                   CASE WHEN sr.lo IS NULL THEN '{PLAIN}' ELSE '{SPECULATIVE}' END AS mode,
+                   CASE WHEN sr.lo IS NULL OR t.{c.TOKEN_INDEX} = sr.lo THEN 1 ELSE 0 END AS carrier,
+                   CASE WHEN sr.lo IS NULL THEN pst.{c.NUM_SEQS} ELSE sr.batch END AS batch,
+                   CASE WHEN sr.lo IS NULL THEN {plain_step_ns}
+                        WHEN t.{c.TOKEN_INDEX} = sr.lo THEN sr.step_ns END AS step_ns,
+                   CASE WHEN (sr.lo IS NULL AND pst.{c.END_NS} IS NOT NULL)
+                          OR (sr.lo IS NOT NULL AND sr.step_ns IS NOT NULL) THEN 1 ELSE 0 END AS step_known,
+                   CASE WHEN sr.lo IS NULL AND ss.{c.STEP} IS NOT NULL THEN 1 ELSE 0 END AS beside_spec
+            FROM {tt} t
+            LEFT JOIN spec_rows sr ON sr.{c.REQUEST_ID} = t.{c.REQUEST_ID}
+                 AND t.{c.TOKEN_INDEX} >= sr.lo AND t.{c.TOKEN_INDEX} <= sr.hi
+            LEFT JOIN {ts} x ON sr.lo IS NULL AND x.{c.REQUEST_ID} = t.{c.REQUEST_ID}
+                 AND x.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+            LEFT JOIN {STEPS.name} pst ON pst.{c.INSTANCE_ID} = x.{c.INSTANCE_ID} AND pst.{c.STEP} = x.{c.STEP}
+            LEFT JOIN speculating_steps ss ON ss.{c.INSTANCE_ID} = x.{c.INSTANCE_ID} AND ss.{c.STEP} = x.{c.STEP}
+            WHERE t.{c.TOKEN_INDEX} > 0
+        )"""
+
+
+def has_speculation(src: Source) -> bool:
+    """True when the run has a ``spec_steps`` row (counted once per source)."""
+    return bool(src.cached("spec_steps_count", lambda: int(src.scalar(f"SELECT COUNT(*) FROM {SPEC_STEPS.name}")
+                                                            or 0)))
+
+
+def empty_frame(columns: dict[str, str]) -> pd.DataFrame:
+    """A frame with no rows and the given columns and dtypes (what a run without speculation gets)."""
+    return pd.DataFrame({name: pd.Series(dtype=dtype) for name, dtype in columns.items()})
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den``; NaN (not measured) when either is missing or the denominator is 0."""
+    return float(num) / float(den) if den and not pd.isna(den) and not pd.isna(num) else math.nan
+
+
+def bin_lo(hi: int) -> int:
+    """The lower end of the power-of-two batch-size bin whose upper end is ``hi``: 1, 2, 3, 5, 9, ..."""
+    return 1 if hi <= 1 else hi // 2 + 1

@@ -1,0 +1,191 @@
+"""Derived facts (analyzers.derivation, analyzers.facts): every analysis gives the same answer from them as from
+the part files, on a multi-process run with clock offsets, on the real run and on a version-0 store; stale or
+missing facts leave the part files as the only source."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from handmade import HandMade
+from simulated import simulate
+
+from analyzers import capacity, facts
+from analyzers.analysis import RunAnalysis
+from analyzers.derivation import derive, run_is_finished
+from tokentrace.clock import time_columns
+from tokentrace.schema import TABLES, Role, Stage, col
+from tokentrace.store.derived import DERIVED_DIR, read_derived
+from tokentrace.store.layout import part_name, partition_dir
+from tokentrace.store.reader import open_run
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+CALLS: list[tuple[str, dict]] = [
+    ("load", {}), ("latency", {}), ("latency", {"by": "tenant"}), ("latency", {"window_s": 0.5}), ("slo", {}),
+    ("goodput", {}), ("fluidity", {}), ("pd_ratio", {}), ("attribution", {}), ("stage_breakdown", {}),
+    ("stage_breakdown", {"by": "tenant"}), ("stage_breakdown", {"by": "instance"}),
+    ("stage_breakdown", {"window_s": 0.5}), ("critical_path", {}), ("slowest_requests", {"n": 25}),
+    ("queues", {}), ("cache", {}), ("batch", {}), ("interference", {}), ("tenants", {}),
+    ("unattributed_share", {}), ("overlap_share", {}),
+]
+CAPACITY: list[tuple[str, dict]] = [
+    ("throughput_summary", {}), ("percentiles", {}), ("throughput", {"window_s": 0.5}),
+    ("load_latency", {"window_s": 0.5}), ("cdf", {}), ("ttft_by_prompt", {}),
+]
+OFFSETS_MS = {1: 0.0, 2: 250.0, 101: -120.0, 102: 37.5}  # instance -> clock offset to the reference clock
+
+
+def _answers(analysis: RunAnalysis) -> dict[str, object]:
+    out: dict[str, object] = {f"{m}{kw}": getattr(analysis, m)(**kw) for m, kw in CALLS}
+    for fn, kw in CAPACITY:
+        out[f"capacity.{fn}{kw}"] = getattr(capacity, fn)(analysis.source, **kw)
+    return out
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    """Equal: integers and labels exactly, floats to 1e-12 (the engine's parallel sums are not bit-stable)."""
+    if isinstance(a, pd.DataFrame):
+        assert isinstance(b, pd.DataFrame), where
+        pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-12, atol=0, obj=where)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            _assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=1e-12, abs=0), where
+    else:
+        assert a == b, where
+
+
+def _offsets_run(root: Path) -> Path:
+    """A simulated disaggregated run (2 prefill, 2 decode instances) whose processes each recorded on their own
+    clock: every time column of an instance's rows is moved to ``t_ref - offset`` and the offset stored."""
+    h = HandMade()
+    rng = np.random.default_rng(7)
+    arrivals = np.cumsum(rng.exponential(40.0, 60)).tolist()
+    simulate(h, arrivals, mode="disagg", num_prefill=2, num_decode=2, output=6, decode_step_ms=8.0,
+             cached=[int(x) for x in rng.choice([0, 32, 64], 60)], tenants=[("a", "b", "c")[i % 3] for i in range(60)],
+             classes=[("interactive", "batch")[i % 2] for i in range(60)])
+    for row in h.rows["instances"]:
+        row[col.CLOCK_OFFSET_NS] = int(OFFSETS_MS[row[col.INSTANCE_ID]] * 1e6)
+    for name in TABLES:
+        for row in h.rows[name]:
+            shift = int(OFFSETS_MS.get(row.get(col.INSTANCE_ID), 0.0) * 1e6)
+            for c in time_columns(name):
+                if row.get(c) is not None:
+                    row[c] -= shift
+    h.write(root, "offsets")
+    return root / "offsets"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("derivation")
+    shutil.copytree(DATA / "real_run", root / "real")
+    shutil.copytree(DATA / "store_v0", root / "v0")
+    return {"offsets": _offsets_run(root / "sim"), "real": root / "real" / "mooncake-disagg",
+            "v0": root / "v0" / "v0-fixture"}
+
+
+@pytest.mark.parametrize("name", ["offsets", "real", "v0"])
+def test_every_answer_is_the_same_from_the_derived_facts(runs: dict[str, Path], name: str) -> None:
+    path = runs[name]
+    run = open_run(path.parent, path.name)
+    shutil.rmtree(path / DERIVED_DIR, ignore_errors=True)
+    plain = RunAnalysis(run)
+    assert facts.derived_file(plain.source, "token_times") is None  # nothing derived yet: the part files
+    from_parts = _answers(plain)
+    assert derive(run) == list(facts.DERIVED_FACTS)
+    assert derive(run) == []  # all current: nothing to do
+    derived = RunAnalysis(run)
+    assert all(facts.derived_file(derived.source, f) is not None for f in facts.DERIVED_FACTS)
+    from_facts = _answers(derived)
+    for key, value in from_parts.items():
+        _assert_same(value, from_facts[key], f"{name}: {key}")
+
+
+def test_clock_offsets_are_applied_before_deriving(runs: dict[str, Path]) -> None:
+    """The offsets run's token 1 starts when the prefill instance (clock +250 ms) delivered token 0 and ends when
+    a decode instance delivered it: with the offsets undone its latency is one decode step plus the wait."""
+    path = runs["offsets"]
+    derive(open_run(path.parent, path.name))
+    times = pq.read_table(path / DERIVED_DIR / "token_times.parquet").to_pandas()
+    assert (times["latency_ns"] > 0).all()  # a wrong offset (250 ms apart) would make some intervals negative
+    stages = pq.read_table(path / DERIVED_DIR / "token_stage_ns.parquet").to_pandas()
+    compute = stages[facts.stage_column(Stage.DECODE_COMPUTE)]
+    assert set(compute[stages[col.TOKEN_INDEX] > 0].unique()) == {8_000_000}  # one 8 ms step per decode token
+
+
+def test_a_new_part_makes_the_facts_stale(runs: dict[str, Path], tmp_path: Path) -> None:
+    shutil.copytree(runs["offsets"], tmp_path / "offsets")
+    path = tmp_path / "offsets"
+    run = open_run(tmp_path, "offsets")
+    derive(run)
+    before = RunAnalysis(run).latency()
+    h = HandMade()  # one more request, recorded by a late writer
+    h.instance(1, Role.PREFILL)
+    h.request(9999, 100.0, 200.0)
+    h.tokens(9999, [150.0, 190.0])
+    folder = partition_dir(path, "requests", 7)
+    folder.mkdir(parents=True)
+    pq.write_table(h.table("requests"), folder / part_name(1))
+    folder = partition_dir(path, "tokens", 7)
+    folder.mkdir(parents=True)
+    pq.write_table(h.table("tokens"), folder / part_name(1))
+    after = RunAnalysis(run)
+    assert facts.derived_file(after.source, "token_times") is None  # stale: not read
+    lat = after.latency().set_index("metric")
+    assert lat.loc["ttft", "count"] == before.set_index("metric").loc["ttft", "count"] + 1
+    assert derive(run) == list(facts.DERIVED_FACTS)  # derived afresh for the new parts
+    _assert_same(lat.reset_index(), RunAnalysis(run).latency(), "after re-deriving")
+
+
+def test_facts_of_another_format_are_not_read(runs: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    shutil.copytree(runs["offsets"], tmp_path / "offsets")
+    run = open_run(tmp_path, "offsets")
+    derive(run)
+    monkeypatch.setattr(facts, "FORMAT_VERSION", facts.FORMAT_VERSION + 1)  # code that derives something else
+    assert facts.derived_file(RunAnalysis(run).source, "token_times") is None
+    assert derive(run) == list(facts.DERIVED_FACTS)
+
+
+def test_a_run_is_finished_when_every_writer_closed(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dashboard"))
+    from synthetic_store import write_run
+
+    from tokentrace.store.manifest import read_fragments
+
+    write_run(tmp_path, "done", num_requests=5)
+    assert run_is_finished(open_run(tmp_path, "done"))
+    fragment = read_fragments(tmp_path / "done")
+    assert fragment and all(f.get("closed") for f in fragment)
+    HandMade().write(tmp_path, "no-writers")  # no writer fragments at all (written outside tokentrace)
+    assert not run_is_finished(open_run(tmp_path, "no-writers"))
+
+
+def test_read_derived_keeps_only_current_files(runs: dict[str, Path], tmp_path: Path) -> None:
+    shutil.copytree(runs["offsets"], tmp_path / "offsets")
+    path = tmp_path / "offsets"
+    derive(open_run(tmp_path, "offsets"))
+    (path / DERIVED_DIR / "junk.parquet").write_bytes(b"not parquet")
+    current = read_derived(path, "0" * 64, facts.format_key())
+    assert current == {}  # another fingerprint
+
+
+@pytest.mark.parametrize(("values", "levels", "expected"), [
+    ([1.0, 2.0, 3.0, 4.0], [0.0, 0.5, 1.0], [1.0, 2.5, 4.0]),  # rn = 1.5 -> halfway between 2 and 3
+    ([10.0, 20.0], [0.25], [12.5]),
+    ([5.0], [0.0, 0.3, 1.0], [5.0, 5.0, 5.0]),
+])
+def test_interpolated_quantiles(values: list[float], levels: list[float], expected: list[float]) -> None:
+    assert capacity.interpolated_quantiles(np.array(values), levels) == expected
