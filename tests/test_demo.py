@@ -380,7 +380,7 @@ def test_the_speculative_flag_reaches_the_servers_own_options(tmp_path, monkeypa
     seen: list[DemoOptions] = []
     monkeypatch.setattr(demo_module, "run_demo", lambda opts: seen.append(opts))
     register_commands()
-    for argv, source, model in ((["--speculative"], "model", "trained"), ([], None, "small"),
+    for argv, source, model in ((["--speculative"], "model", "trained"), ([], None, "trained"),
                                 (["--speculative", "--model", "tiny"], "model", "tiny")):
         result = CliRunner().invoke(app, ["demo", "--store", str(tmp_path / "st"), "--trace", str(TRACE),
                                           "--no-dashboard", *argv])

@@ -217,12 +217,19 @@ def _column_spec(c: str, series: pd.Series, digits: int) -> dict[str, Any]:
     spec["type"] = "numeric"
     if is_percent_column(c):
         spec["format"] = Format(precision=1, scheme=Scheme.percentage, nully="—")
-    elif pd.api.types.is_integer_dtype(series):
-        spec["format"] = Format(group=Group.yes, nully="—")
+    elif pd.api.types.is_integer_dtype(series) or _is_count(c, series):
+        spec["format"] = Format(group=Group.yes, precision=0, scheme=Scheme.fixed, nully="—")
     else:
         precision = max(digits, 3) if c.startswith("p_") else digits  # p-values: 0.004, not 0.00
         spec["format"] = Format(group=Group.yes, precision=precision, scheme=Scheme.fixed, nully="—")
     return spec
+
+
+def _is_count(c: str, series: pd.Series) -> bool:
+    """A count held as floats (nullable after a join or a sum): whole numbers under a count's name."""
+    named = c.startswith("num_") or c.endswith(("_tokens", "_blocks", "_requests", "_steps"))
+    values = series.dropna().to_numpy(float)
+    return named and bool(np.all(np.isfinite(values) & (values == np.round(values))))
 
 
 def table(frame: pd.DataFrame, table_id: str, *, page_size: int = 15, digits: int = 2,

@@ -48,7 +48,7 @@ __all__ = ["DemoOptions", "DemoResult", "run_demo", "serve_dashboard", "check_po
            "TRACE_FILE", "SPECULATIVE_MODEL", "SPECULATIVE_SOURCE"]
 
 TRACE_FILE = "mooncake_conversation.jsonl"
-DEFAULT_MODEL = "small"
+DEFAULT_MODEL = "trained"  # the bundled trained model: its answers read as text (the presets have random weights)
 SPECULATIVE_MODEL = "trained"  # the bundled trained model, whose bundled draft model (trained-draft) drafts for it
 SPECULATIVE_SOURCE = "model"  # what --speculative turns on: a draft model (the server's --speculative)
 _DRAFT_WORDS = {"model": "the bundled draft model", "ngram": "n-gram prompt lookup", "early_exit": "early exit"}
@@ -61,7 +61,7 @@ class DemoOptions:
 
     store: Path = Path("demo-store")
     num_requests: int = 80  # the first N requests of the trace: ~27 s of its arrivals (~3 req/s)
-    model: str | None = None  # None: "small" (a preset: 8 layers, hidden 512, random weights), "trained" speculating
+    model: str | None = None  # None: "trained" (the bundled trained model, 1.1 M parameters, 1,024 positions)
     speculative: str | None = None  # draft source on the decode worker (model, ngram, early_exit); None: off
     time_scale: float = 1.0  # x Mooncake arrival times (real time)
     length_scale: float = 1 / 64  # prompts: 512-token trace blocks become 8 tokens, ~200-token prompts
@@ -117,8 +117,8 @@ def _load_spec(opts: DemoOptions, trace: Path) -> LoadSpec:
 
 
 def demo_model(opts: DemoOptions) -> str:
-    """The model the demo serves and asks for: ``opts.model``, else the trained model when speculating (a draft
-    model needs a target it was trained with), else the ``small`` preset."""
+    """The model the demo serves and asks for: ``opts.model``, else the bundled trained model (whose answers read
+    as text, and for which the bundled draft model was trained)."""
     return opts.model or (SPECULATIVE_MODEL if opts.speculative else DEFAULT_MODEL)
 
 

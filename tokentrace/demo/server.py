@@ -48,7 +48,7 @@ class ServerSpec:
     store: Path
     run_id: str
     tenants_file: Path
-    model: str = "small"
+    model: str = "trained"
     block_size: int = 16  # tokens per KV block
     num_device_blocks: int = 512  # per worker
     num_host_blocks: int = 256  # per worker: the host tier evicted prefix blocks go to

@@ -31,7 +31,7 @@ ID_COLUMNS: tuple[str, ...] = (col.INSTANCE_ID, col.REQUEST_ID)
 """Integer id columns: never shown as numbers (instances are named, requests sent as text)."""
 
 PERCENT_WORDS: tuple[str, ...] = ("share", "attainment", "hit_rate", "utilisation", "fluidity", "rel_change",
-                                  "relative_error", "reload_ratio", "acceptance_rate")
+                                  "relative_error", "reload_ratio", "acceptance_rate", "reuse_fraction")
 """Column names holding a fraction 0..1 (shown as a percentage) contain one of these."""
 
 _LABELS: dict[str, str] = {

@@ -26,7 +26,7 @@ def demo_command(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Dashboard port on 127.0.0.1.")] = 8050,
     model: Annotated[Optional[str], typer.Option(
         help="Reference model: a preset (tiny, small: random weights) or the bundled trained model (trained). "
-             "Default: small; trained with --speculative.")] = None,
+             "Default: trained.")] = None,
     speculative: Annotated[bool, typer.Option(
         "--speculative", help="Speculative decoding on the decode worker: the bundled draft model proposes "
                               "tokens for the trained model, which verifies them.")] = False,

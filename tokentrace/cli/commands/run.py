@@ -36,6 +36,7 @@ import typer
 __all__ = ["register", "run_traced"]
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_SAY_SAVING_BYTES = 64 << 20  # part files from which deriving takes long enough to say so first
 
 
 def run_traced(command: list[str], *, store: Path, run: str | None = None, sample: float | None = None,
@@ -111,12 +112,15 @@ def _save_facts(store: Path, run_id: str) -> None:
         if not run_is_finished(run):
             return  # a process did not close its writer (killed): its journal is recovered on first read
         started = time.monotonic()
-        typer.echo("tokentrace: saving the run's analysis facts for quick reports and views...", err=True)
+        if sum(p.stat().st_size for p in run.path.rglob("part-*.parquet")) >= _SAY_SAVING_BYTES:
+            typer.echo("tokentrace: saving the run's analysis facts for quick reports and views...", err=True)
         written = derive(run)
         typer.echo(f"tokentrace: saved {len(written)} fact table(s) in {time.monotonic() - started:.1f} s "
                    f"({store.resolve() / run_id / DERIVED_DIR})", err=True)
     except KeyboardInterrupt:
         typer.echo("tokentrace: interrupted while saving the analysis facts; analyses compute them as needed", err=True)
+    except OSError:
+        pass  # a store that cannot be written (full, read-only) was said when tracing; analyses compute them as needed
     except Exception as err:  # noqa: BLE001 - a cache: the part files remain the answer
         typer.echo(f"tokentrace: warning: could not save the analysis facts ({err}); "
                    f"analyses compute them as needed", err=True)
