@@ -103,7 +103,7 @@ def tenant_shares(src: Source, *, weights: Mapping[str, float] | None = None) ->
     c = col
     df = src.df(f"""
         SELECT {c.TENANT}, COUNT(*) AS num_requests,
-               SUM(COALESCE({c.NUM_PROMPT_TOKENS}, 0) + {c.NUM_OUTPUT_TOKENS}) AS num_tokens
+               CAST(SUM(COALESCE({c.NUM_PROMPT_TOKENS}, 0) + {c.NUM_OUTPUT_TOKENS}) AS BIGINT) AS num_tokens
         FROM {request_table(src)} GROUP BY {c.TENANT} ORDER BY {c.TENANT}
     """)
     df = df.merge(_compute_ns(src), on=c.TENANT, how="left")
