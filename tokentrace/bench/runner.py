@@ -34,7 +34,7 @@ from tokentrace.schema import RequestStatus, Role
 from tokentrace.store.manifest import read_manifest
 from tokentrace.store.writer import StoreWriter
 
-__all__ = ["RunLimits", "BenchRun", "record_outcome", "open_recorder", "run_bench", "status_of"]
+__all__ = ["RunLimits", "BenchRun", "OutcomeCollector", "record_outcome", "open_recorder", "run_bench", "status_of"]
 
 BENCH_CONFIG_KEY = "bench"
 """Key of the bench's settings (workload, scaling, arrivals, tenants) in the run manifest's config."""
@@ -85,8 +85,8 @@ def record_outcome(recorder: Recorder, req: PlannedRequest, outcome: Outcome) ->
                          num_output_tokens=num_out, num_cached_tokens=outcome.num_cached_tokens, error=error)
 
 
-class _Collector:
-    """The dispatch listener of a run: records each outcome and tells the progress display."""
+class OutcomeCollector:
+    """The dispatch listener of a run (plain or sessions): records each outcome and tells the progress display."""
 
     def __init__(self, recorder: Recorder | None, progress: ProgressListener) -> None:
         self.recorder = recorder
@@ -134,7 +134,7 @@ def run_bench(plan: Plan, opts: RequestOptions, limits: RunLimits, *, store: str
     if store is not None:
         recorder = open_recorder(store, run_id=run_id, config={
             **(run_config or {}), BENCH_CONFIG_KEY: {**plan.config, **(config or {}), "processes": processes}})
-    collector = _Collector(recorder, progress or NullProgress())
+    collector = OutcomeCollector(recorder, progress or NullProgress())
     try:
         if processes:
             from tokentrace.bench.senders import run_in_processes

@@ -44,10 +44,9 @@ from tokentrace.bench.dispatch import Listener, RunLimits
 from tokentrace.bench.plan import Tenant
 from tokentrace.bench.progress import NullProgress, ProgressListener
 from tokentrace.bench.requests import Outcome, PlannedRequest, TextRequest
-from tokentrace.bench.runner import BENCH_CONFIG_KEY, BenchRun, open_recorder, record_outcome
+from tokentrace.bench.runner import BENCH_CONFIG_KEY, BenchRun, OutcomeCollector, open_recorder
 from tokentrace.bench.synthetic import LengthDist, random_text
 from tokentrace.bench.workloads import Workload, build_prompt
-from tokentrace.recorder import Recorder
 from tokentrace.store.manifest import read_manifest
 from tokentrace.store.writer import StoreWriter
 
@@ -337,22 +336,6 @@ def describe_mix(mix: SessionMix, *, num_sessions: int) -> str:
             f"think {mix.think.describe()}")
 
 
-class _Collector:
-    """Records each finished turn (client role) and tells the progress display."""
-
-    def __init__(self, recorder: Recorder | None, progress: ProgressListener) -> None:
-        self.recorder = recorder
-        self.progress = progress
-
-    def on_sent(self, req: PlannedRequest) -> None:
-        self.progress.on_sent(req)
-
-    def on_done(self, req: PlannedRequest, outcome: Outcome) -> None:
-        if self.recorder is not None:
-            record_outcome(self.recorder, req, outcome)
-        self.progress.on_done(outcome)
-
-
 def run_sessions(plan: SessionPlan, opts: RequestOptions, limits: RunLimits, *, store: str | Path | None = None,
                  run_id: str | None = None, progress: ProgressListener | None = None,
                  config: dict[str, Any] | None = None,
@@ -365,7 +348,7 @@ def run_sessions(plan: SessionPlan, opts: RequestOptions, limits: RunLimits, *, 
     if store is not None:
         recorder = open_recorder(store, run_id=run_id, config={
             **(run_config or {}), BENCH_CONFIG_KEY: {**plan.config, **(config or {}), "processes": 0}})
-    collector = _Collector(recorder, progress or NullProgress())
+    collector = OutcomeCollector(recorder, progress or NullProgress())
     try:
         sent, outcomes, start_ns = asyncio.run(drive_sessions(plan, opts, limits, listener=collector))
     finally:

@@ -172,7 +172,7 @@ def _run_sessions_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[
 
     from tokentrace.bench.progress import LiveProgress
     from tokentrace.bench.sessions import run_sessions
-    from tokentrace.bench.summary import render_text, summarize
+    from tokentrace.bench.summary import summarize
 
     if not opts.model:
         opts = replace(opts, model=_first_model(opts.base_url))
@@ -186,16 +186,9 @@ def _run_sessions_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[
                                     config={"settings": settings, "slo_ms": slo_ms})
     except OSError as err:
         _usage_error(f"cannot write the store {store}: {err}")
-    summary = summarize(sent, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
-                        settings={**settings, "run_id": result.run_id, "workload": plan.config})
-    if output == "json":
-        print(json.dumps(summary.as_dict(), indent=2, default=str))
-    else:
-        print(render_text(summary))
-        if result.run_path is not None:
-            print(f"client view recorded in {result.run_path} (run {result.run_id})")
-    if fail_on_error and summary.num_failed:
-        raise typer.Exit(EXIT_FAILED_REQUESTS)
+    _report(summarize(sent, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
+                      settings={**settings, "run_id": result.run_id, "workload": plan.config}),
+            result, output=output, fail_on_error=fail_on_error)
 
 
 def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, float], store: Path | None,
@@ -206,7 +199,7 @@ def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, floa
     from tokentrace.bench.progress import LiveProgress
     from tokentrace.bench.runner import run_bench
     from tokentrace.bench.senders import SenderFailed
-    from tokentrace.bench.summary import render_text, summarize
+    from tokentrace.bench.summary import summarize
 
     if not opts.model:
         opts = replace(opts, model=_first_model(opts.base_url))
@@ -223,8 +216,16 @@ def _run_and_report(plan: Any, opts: Any, limits: Any, *, slo_ms: dict[str, floa
     except SenderFailed as err:  # what came back before is in the store
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(EXIT_FAILED_REQUESTS) from None
-    summary = summarize(plan.requests, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
-                        settings={**settings, "run_id": result.run_id, "workload": plan.config})
+    _report(summarize(plan.requests, result.outcomes, slo_ms=slo_ms, start_ns=result.start_ns,
+                      settings={**settings, "run_id": result.run_id, "workload": plan.config}),
+            result, output=output, fail_on_error=fail_on_error)
+
+
+def _report(summary: Any, result: Any, *, output: str, fail_on_error: bool) -> None:
+    """Print a finished run's summary (text or JSON) and where its client view went; with ``fail_on_error``,
+    exit with ``EXIT_FAILED_REQUESTS`` when a request failed."""
+    from tokentrace.bench.summary import render_text
+
     if output == "json":
         print(json.dumps(summary.as_dict(), indent=2, default=str))
     else:
