@@ -9,7 +9,11 @@ streamed, 10% of the later tokens' decode.queue spans start before their token's
 process so that peak memory is that implementation's alone:
 
 * ``duckdb``: ``tokentrace.open(store).analyze().stage_breakdown()`` -- the analyzers'
-  path (DuckDB over the Parquet files, clock alignment, per-token facts, mean and tail shares);
+  path (DuckDB over the Parquet files, clock alignment, per-token facts, mean and tail shares),
+  measured twice: on the part files alone (``duckdb, part files only``: a run nothing has
+  derived facts for, such as one a killed process left), then after the run's analysis facts
+  were saved the way ``tokentrace run`` saves them when a run closes
+  (:func:`analyzers.derivation.derive`, ``<run>/_derived/``; the time that takes is printed);
 * ``pandas``: a straightforward pandas implementation of the same definitions (read the
   three tables, token intervals with a grouped shift, spans merged with their token's
   interval and clipped to it, per-token stage sums with a groupby + unstack, shares and the
@@ -17,9 +21,11 @@ process so that peak memory is that implementation's alone:
 
 Reports the best of ``--repeats`` runs: wall and CPU seconds, span rows/s, peak traced Python
 memory (tracemalloc) and peak resident set size (getrusage maxrss, /proc VmHWM) of each, checks
-that both give the same shares (which they would not without the clipping), and removes the
-store (about 0.3 GB). Run: ``.venv/bin/python benchmarks/analyzers.py`` (1-3 minutes).
-The last line is ``breakdown_vs_pandas_speedup=<pandas seconds / duckdb seconds>``.
+that all three give the same shares (which they would not without the clipping), and removes the
+store (about 0.45 GB with the saved facts). Run: ``.venv/bin/python benchmarks/analyzers.py`` (1-3 minutes).
+The line before last is the part-files-only ratio (``part_files_breakdown_vs_pandas_speedup=``); the
+last line is ``breakdown_vs_pandas_speedup=<pandas seconds / duckdb seconds>`` for the run as
+``tokentrace run`` leaves it (facts saved at close).
 """
 
 from __future__ import annotations
@@ -230,11 +236,19 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=25)
     p.add_argument("--parts", type=int, default=20, help="span part files")
     p.add_argument("--repeats", type=int, default=2, help="runs per implementation; the best is reported")
-    p.add_argument("--child", choices=("duckdb", "pandas", "generate"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("duckdb", "pandas", "generate", "derive"), help=argparse.SUPPRESS)
     p.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child == "generate":  # in a child, so the parent's resident set stays small
         print(generate(args.store, args.requests, args.tokens, args.parts))
+        return
+    if args.child == "derive":  # what tokentrace run does when the traced command has ended
+        import tokentrace
+        from analyzers.derivation import derive
+
+        t0 = time.perf_counter()
+        written = derive(tokentrace.open(args.store))
+        print(json.dumps({"seconds": time.perf_counter() - t0, "facts": written}))
         return
     if args.child:
         child(args.child, args.store, args.repeats)
@@ -252,26 +266,36 @@ def main() -> None:
         size = sum(f.stat().st_size for f in store.rglob("*.parquet"))
         print(f"generated {num_spans:,} span rows, {args.requests * args.tokens:,} token rows, "
               f"{args.requests:,} requests: {size / 2**20:.0f} MiB of Parquet in {time.perf_counter() - t0:.1f} s")
-        results = {impl: _measure(impl, store, args.repeats) for impl in ("duckdb", "pandas")}
+        results = {"duckdb, part files only": _measure("duckdb", store, args.repeats)}
+        out = subprocess.run([sys.executable, __file__, "--child", "derive", "--store", str(store)],
+                             check=True, capture_output=True, text=True)
+        derived = json.loads(out.stdout.strip().splitlines()[-1])
+        size = sum(f.stat().st_size for f in store.rglob("_derived/*.parquet"))
+        print(f"saved the run's analysis facts as tokentrace run does at close ({len(derived['facts'])} tables, "
+              f"{size / 2**20:.0f} MiB) in {derived['seconds']:.1f} s")
+        results.update({impl: _measure(impl, store, args.repeats) for impl in ("duckdb", "pandas")})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"best of {args.repeats} runs each; memory: tracemalloc peak (Python allocations), "
           "maxrss (getrusage) and VmHWM (peak resident set of the process image)")
     for impl, r in results.items():
-        print(f"{impl:>6}: {r['seconds']:6.2f} s wall (first run {r['first_seconds']:6.2f} s) "
+        print(f"{impl:>23}: {r['seconds']:6.2f} s wall (first run {r['first_seconds']:6.2f} s) "
               f"{r['cpu_seconds']:6.2f} s CPU  "
               f"{num_spans / r['seconds'] / 1e6:5.2f} M span rows/s  traced peak {r['traced_peak_mb']:7.1f} MiB  "
               f"maxrss {r['maxrss_mb']:7.1f} MiB  VmHWM {r['hwm_mb']:7.1f} MiB")
-    diff = float(np.nanmax(np.abs(np.array(results["duckdb"]["shares"], float)
-                                  - np.array(results["pandas"]["shares"], float))))
-    print(f"largest share difference between the two: {diff:.2e}")
-    if not diff < 1e-9:
-        raise SystemExit(f"the implementations disagree (max share difference {diff})")
-    cpu_ratio = results["pandas"]["cpu_seconds"] / results["duckdb"]["cpu_seconds"]
-    first_ratio = results["pandas"]["first_seconds"] / results["duckdb"]["first_seconds"]
-    print(f"CPU-time ratio pandas / duckdb: {cpu_ratio:.2f}; first-run (cold process) wall ratio: {first_ratio:.2f}")
-    print(f"breakdown_vs_pandas_speedup={results['pandas']['seconds'] / results['duckdb']['seconds']:.2f}")
-
+    pandas = results["pandas"]
+    for impl in ("duckdb, part files only", "duckdb"):
+        diff = float(np.nanmax(np.abs(np.array(results[impl]["shares"], float) - np.array(pandas["shares"], float))))
+        print(f"largest share difference between {impl} and pandas: {diff:.2e}")
+        if not diff < 1e-9:
+            raise SystemExit(f"{impl} and pandas disagree (max share difference {diff})")
+    for impl in ("duckdb, part files only", "duckdb"):
+        r = results[impl]
+        print(f"{impl}: CPU-time ratio pandas / duckdb {pandas['cpu_seconds'] / r['cpu_seconds']:.2f}; "
+              f"first-run (cold process) wall ratio {pandas['first_seconds'] / r['first_seconds']:.2f}")
+    raw = results["duckdb, part files only"]
+    print(f"part_files_breakdown_vs_pandas_speedup={pandas['seconds'] / raw['seconds']:.2f}")
+    print(f"breakdown_vs_pandas_speedup={pandas['seconds'] / results['duckdb']['seconds']:.2f}")
 
 if __name__ == "__main__":
     main()
