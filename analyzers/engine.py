@@ -84,7 +84,12 @@ class DuckDBEngine:
     def __init__(self, con: Any = None) -> None:
         import duckdb
 
-        self.con = con if con is not None else duckdb.connect()
+        if con is None:
+            con = duckdb.connect()
+            # DuckDB draws its own progress bar on stderr for queries past 2 s: noise in the output of
+            # ``tokentrace run`` and the dashboard's log, which say what they do in their own words.
+            con.execute("SET enable_progress_bar = false")
+        self.con = con
 
     def execute(self, sql: str) -> None:
         self.con.execute(sql)

@@ -18,6 +18,11 @@ one of its reserved colour names (``cname``) and ui.perfetto.dev colours slices 
 a hash of their name. :data:`TRACE_COLOUR_NAMES` maps each stage to the nearest
 reserved name, distinct per stage.
 
+Charts whose series are not stages (percentiles, verdicts, cache tiers, runs) take their
+colours, in order, from :data:`SERIES_COLOURS` (Okabe and Ito's colour-blind-safe set: every
+pair at least 15 CIELAB units apart in all four views), and a change is drawn
+:data:`WORSE_COLOUR` (vermillion) or :data:`BETTER_COLOUR` (blue), never red against green.
+
 Part of the core (imports the schema only), so every layer may use it.
 """
 
@@ -25,8 +30,8 @@ from __future__ import annotations
 
 from tokentrace.schema import UNATTRIBUTED_LABEL, Stage
 
-__all__ = ["STAGE_COLOURS", "UNATTRIBUTED_COLOUR", "UNKNOWN_COLOUR", "TRACE_COLOUR_NAMES", "stage_colour",
-           "label_colour"]
+__all__ = ["STAGE_COLOURS", "UNATTRIBUTED_COLOUR", "UNKNOWN_COLOUR", "TRACE_COLOUR_NAMES", "SERIES_COLOURS",
+           "WORSE_COLOUR", "BETTER_COLOUR", "UNCHANGED_COLOUR", "stage_colour", "label_colour"]
 
 STAGE_COLOURS: dict[Stage, str] = {
     Stage.GATEWAY_ACCEPT: "#AA4499",  # purple
@@ -53,6 +58,17 @@ UNATTRIBUTED_COLOUR = "#BBBBBB"
 """Time no stage covers (``unattributed``): grey."""
 UNKNOWN_COLOUR = "#DDDDDD"
 """A label that is neither a stage nor ``unattributed``."""
+
+SERIES_COLOURS: tuple[str, ...] = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000",
+                                   "#F0E442")
+"""Colours of a chart's series in order (blue, orange, bluish green, reddish purple, sky blue, vermillion,
+black, yellow): a plotly ``colorway`` for every chart that is not of stages."""
+WORSE_COLOUR = "#D55E00"
+"""A significant regression (vermillion)."""
+BETTER_COLOUR = "#0072B2"
+"""A significant improvement (blue)."""
+UNCHANGED_COLOUR = "#999999"
+"""A change that is not significant (grey)."""
 
 TRACE_COLOUR_NAMES: dict[Stage, str] = {
     Stage.GATEWAY_ACCEPT: "detailed_memory_dump",

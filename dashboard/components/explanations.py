@@ -107,6 +107,6 @@ EXPLAIN: dict[str, str] = {
                     "targets on TTFT, TPOT targets on ITL and TPOT).",
     "compare": "Candidate against baseline: each metric's change with a bootstrap 95% confidence interval, its "
                "p-value (Holm-adjusted over every row) and sample sizes. Significant: adjusted p < 0.05, at least "
-               "0.1 ms and, unless the baseline is near zero, at least 2%. Regressions (red) are ranked by their "
-               "contribution to mean TTFT and ITL.",
+               "0.1 ms and, unless the baseline is near zero, at least 2%. Regressions (vermillion; improvements "
+               "blue) are ranked by their contribution to mean TTFT and ITL.",
 }

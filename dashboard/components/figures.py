@@ -28,6 +28,7 @@ from dash.dash_table.Format import Format, Group, Scheme
 
 from dashboard.components.shell import notice
 from dashboard.data import downsample
+from tokentrace.palette import SERIES_COLOURS
 from tokentrace.report.render_names import ID_COLUMNS, column_label, is_percent_column, with_instance_names
 from tokentrace.schema import col
 
@@ -38,7 +39,12 @@ MARKER_POINTS = 300
 """Above this many points a line is drawn without markers: thousands of SVG markers cost the
 browser most of a view's render time and cannot be told apart anyway."""
 LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=50, b=50), height=360,
-              legend=dict(orientation="h", y=-0.2), separators=".,")
+              legend=dict(orientation="h", y=-0.2), separators=".,", colorway=list(SERIES_COLOURS))
+GRAPH_CONFIG = {"displaylogo": False, "modeBarButtonsToRemove": [
+    "select2d", "lasso2d", "zoomIn2d", "zoomOut2d", "autoScale2d", "toggleSpikelines", "hoverClosestCartesian",
+    "hoverCompareCartesian"]}
+"""Plotly's tool bar keeps download, zoom, pan and reset: short enough to stay clear of a chart's title in a
+three-column row."""
 _MAX_SAFE_INT = 2**53  # larger integers are not exact in JavaScript
 
 
@@ -55,7 +61,7 @@ def warm_up() -> None:
 
 def graph(fig: go.Figure, graph_id: str) -> dcc.Graph:
     """A ``dcc.Graph`` with the dashboard's settings."""
-    return dcc.Graph(id=graph_id, figure=fig, config={"displaylogo": False}, className="tt-graph")
+    return dcc.Graph(id=graph_id, figure=fig, config=GRAPH_CONFIG, className="tt-graph")
 
 
 def has_values(fig: go.Figure) -> bool:

@@ -1,4 +1,5 @@
-"""Compare: a candidate run against a baseline, each metric's change with its confidence interval; regressions in red."""
+"""Compare: a candidate run against a baseline, each metric's change with its confidence interval; regressions in
+vermillion, improvements in blue."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import explained, graph, table
 from dashboard.components.shell import ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource
+from tokentrace.palette import BETTER_COLOUR, UNCHANGED_COLOUR, WORSE_COLOUR
 
 PATH = "/compare"
 dash.register_page(__name__, path=PATH, name="Compare", title="tokentrace · compare runs")
-
-_RED, _GREEN, _GREY = "#d62728", "#2ca02c", "#9e9e9e"
 
 
 _TABLE_COLUMNS = ["rank", "metric", "statistic", "baseline", "candidate", "delta", "rel_change", "ci_low", "ci_high",
@@ -25,13 +25,15 @@ _TABLE_COLUMNS = ["rank", "metric", "statistic", "baseline", "candidate", "delta
 
 
 def change_figure(frame: pd.DataFrame) -> go.Figure:
-    """Relative change of every significant row (all rows if none is), regressions red, improvements green.
+    """Relative change of every significant row (all rows if none is): regressions vermillion, improvements blue,
+    the rest grey (the core palette's change colours, told apart by colour-blind readers).
 
     Rows without a relative change (a near-zero baseline) are in the table, not in the figure."""
     rows = frame[frame["significant"]] if frame["significant"].any() else frame
     rows = rows[rows["rel_change"].notna()]
     labels = rows["metric"] + " · " + rows["statistic"]
-    colors = [_RED if r else (_GREEN if s else _GREY) for r, s in zip(rows["regression"], rows["significant"])]
+    colors = [WORSE_COLOUR if r else (BETTER_COLOUR if s else UNCHANGED_COLOUR)
+              for r, s in zip(rows["regression"], rows["significant"])]
     err = dict(type="data", symmetric=False, array=((rows["ci_high"] - rows["delta"]) / rows["baseline"]).tolist(),
                arrayminus=((rows["delta"] - rows["ci_low"]) / rows["baseline"]).tolist())
     fig = go.Figure(go.Bar(y=labels.tolist(), x=rows["rel_change"].tolist(), orientation="h", marker_color=colors,

@@ -189,3 +189,11 @@ def test_read_derived_keeps_only_current_files(runs: dict[str, Path], tmp_path: 
 ])
 def test_interpolated_quantiles(values: list[float], levels: list[float], expected: list[float]) -> None:
     assert capacity.interpolated_quantiles(np.array(values), levels) == expected
+
+
+def test_the_engine_draws_no_progress_bar_of_its_own(runs: dict[str, Path], tmp_path: Path) -> None:
+    # Deriving a big run takes seconds per query: DuckDB's own progress bar would be drawn on the terminal of
+    # `tokentrace run` (and in the dashboard's log), beside the lines tokentrace prints.
+    shutil.copytree(runs["offsets"], tmp_path / "offsets")
+    src = RunAnalysis(open_run(tmp_path, "offsets")).source
+    assert src.scalar("SELECT current_setting('enable_progress_bar')") is False

@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 
 from tokentrace.palette import (
+    BETTER_COLOUR,
+    SERIES_COLOURS,
     STAGE_COLOURS,
     TRACE_COLOUR_NAMES,
     UNATTRIBUTED_COLOUR,
+    UNCHANGED_COLOUR,
+    WORSE_COLOUR,
     label_colour,
     stage_colour,
 )
@@ -97,3 +101,21 @@ def test_trace_colour_names_are_chromes_reserved_names_one_per_stage():
     assert set(TRACE_COLOUR_NAMES) == set(Stage)
     assert set(TRACE_COLOUR_NAMES.values()) <= _RESERVED
     assert len(set(TRACE_COLOUR_NAMES.values())) == len(Stage)
+
+
+PLOTLY_DEFAULT_COLORWAY = ["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880"]
+
+
+@pytest.mark.parametrize("colours, first", [(list(SERIES_COLOURS), 8), (PLOTLY_DEFAULT_COLORWAY, 4)])
+def test_series_colours_are_told_apart_by_colour_blind_readers(colours, first):
+    worst = min(_distance(a, b) for a, b in itertools.combinations(colours[:first], 2))
+    if colours is PLOTLY_DEFAULT_COLORWAY:  # what a chart without the colorway would draw: its red and green merge
+        assert worst < 15
+    else:
+        assert len(set(colours)) == len(colours) and worst >= 15
+
+
+def test_a_change_is_never_drawn_red_against_green():
+    assert _distance(WORSE_COLOUR, BETTER_COLOUR) >= 40
+    assert min(_distance(UNCHANGED_COLOUR, c) for c in (WORSE_COLOUR, BETTER_COLOUR)) >= 20
+    assert _distance("#d62728", "#2ca02c") < 40  # the red/green pair it replaces

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from tokentrace.palette import label_colour
+from tokentrace.palette import BETTER_COLOUR, SERIES_COLOURS, UNCHANGED_COLOUR, WORSE_COLOUR, label_colour
 from tokentrace.report import speculative_charts as spec_charts
 from tokentrace.report.budget import format_value
 from tokentrace.report.frames import frame_cells
@@ -55,7 +55,7 @@ def html_table(df: pd.DataFrame, names: dict[int, str] | None = None) -> str:
 
 def _figure_html(fig: Any, div_id: str, *, height: int = 380) -> str:
     fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 50, "b": 50}, template="plotly_white",
-                      separators=".,")
+                      separators=".,", colorway=list(SERIES_COLOURS))
     if fig.layout.yaxis.type != "log" and not fig.layout.yaxis.tickformat:  # (a chart of shares keeps its %)
         fig.update_yaxes(tickformat=",~r")  # 30,600, never 3.06e+4
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
@@ -116,13 +116,13 @@ def _diff_chart(go: Any, diff: pd.DataFrame | None) -> str:
     if diff is None or len(diff) == 0:
         return ""
     diff = diff[(diff["baseline"].fillna(0) != 0) | (diff["candidate"].fillna(0) != 0)]  # stages neither run had
-    colors = ["#cf222e" if reg else "#1a7f37" if sig else "#999999"
+    colors = [WORSE_COLOUR if reg else BETTER_COLOUR if sig else UNCHANGED_COLOUR
               for reg, sig in zip(diff["regression"].astype(bool), diff["significant"].astype(bool))]
     fig = go.Figure()
     fig.add_bar(x=[f"{m} {s}" for m, s in zip(diff["metric"], diff["statistic"])],
                 y=diff["rel_change"].astype(float) * 100, marker_color=colors, showlegend=False)
-    fig.update_layout(title="Change against the baseline (%): red = significant regression, "
-                            "green = significant improvement", yaxis_title="% change")
+    fig.update_layout(title="Change against the baseline (%): vermillion = significant regression, "
+                            "blue = significant improvement", yaxis_title="% change")
     return _figure_html(fig, "chart-diff")
 
 

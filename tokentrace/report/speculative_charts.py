@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from tokentrace.palette import stage_colour
+from tokentrace.palette import WORSE_COLOUR, stage_colour
 from tokentrace.schema import Stage, col
 
 __all__ = ["acceptance_figure", "accepted_per_step_figure", "itl_by_batch_figure", "cost_figure", "batch_label",
@@ -23,7 +23,6 @@ __all__ = ["acceptance_figure", "accepted_per_step_figure", "itl_by_batch_figure
 SPEC_COLOUR = stage_colour(Stage.DECODE_VERIFY)
 DRAFT_COLOUR = stage_colour(Stage.DECODE_DRAFT)
 PLAIN_COLOUR = stage_colour(Stage.DECODE_COMPUTE)
-_SLOWER_COLOUR = "#cf222e"  # the reports' colour for a regression
 _OUTLINE = "#555555"  # edges and hatching, so that the pale draft colour stands out on white
 
 
@@ -86,7 +85,7 @@ def itl_by_batch_figure(go: Any, by_batch: pd.DataFrame) -> Any:
     for label, slower in zip(x, by_batch["slower"].astype(bool)):
         if slower:
             fig.add_annotation(x=label, y=float(top) * 1.08, text="speculation slower", showarrow=False,
-                               font=dict(color=_SLOWER_COLOUR))
+                               font=dict(color=WORSE_COLOUR))
     fig.update_layout(title="ITL by batch size: speculative against plain decode tokens", barmode="group",
                       xaxis_type="category", xaxis_title="sequences in the step (batch size bin)", yaxis_title="ms",
                       yaxis_rangemode="nonnegative", yaxis_tickformat=",~r")
