@@ -251,6 +251,12 @@ def test_killing_a_colocated_worker_and_then_the_gateway_leaves_no_process_and_n
         load = Load(dep.url).start()
         try:
             assert load.wait_for_completions(4, since_ns=0)
+            # Both workers serve for longer than the budget before the kill, so colocated-0 has events
+            # more than 1 s old that must be in the store. Killed as soon as the first streams end
+            # (about 0.3 s after the deployment is ready: one journal interval into its recording),
+            # it may rightly have nothing stored yet, since all it recorded was younger than 1 s.
+            serving_since = time.monotonic_ns()
+            assert load.wait_for_completions(4, since_ns=serving_since + BUDGET_NS), "stalled before the kill"
             killed_worker = _kill(pids["colocated-0"])
             assert load.wait_for_completions(4, since_ns=killed_worker + 500_000_000), "stalled after the kill"
             killed_gateway = _kill(launcher)
@@ -261,6 +267,7 @@ def test_killing_a_colocated_worker_and_then_the_gateway_leaves_no_process_and_n
 
     run = open_run(tmp_path, "colo")
     last = _last_event_ns(run)
+    assert {"colocated-0", "colocated-1"} <= set(last), (last, dep.stderr[-20:])
     gateway = next(name for name in last if name.startswith("gateway"))
     assert killed_worker - last["colocated-0"] <= BUDGET_NS
     assert killed_gateway - last[gateway] <= BUDGET_NS

@@ -179,6 +179,7 @@ class BufferedRecorder:
                 col.HOST: labels,
             },
             on_full_flush=self._report_counters,
+            lead_table=INSTANCES.name,  # the row naming this process reaches the store before its events
         )
         self._flusher.start()
 

@@ -16,6 +16,11 @@ Arrow batch at the moments a plain sink would (``batch_rows`` rows,
 ``flush_interval_s``), and drops their journal. A SIGKILLed process thus loses at
 most the last ``journal_interval_s`` of events, not the last ``flush_interval_s``,
 for the cost of a copy and a small write per table per interval.
+
+One table may lead (the recorder's ``instances``): whenever rows of another table go to the
+sink (a journal append or a part), the lead table's pending rows go first. A process killed
+in the middle of a hand-over then never leaves events in the store without the row that
+names their process (its role, pid and clock anchor).
 """
 
 from __future__ import annotations
@@ -56,9 +61,12 @@ class Flusher:
         journal_interval_s: float | None = None,
         peekers: dict[str, StringDecoder] | None = None,
         on_full_flush: Callable[[], None] | None = None,
+        lead_table: str | None = None,
     ) -> None:
         self.sink = sink
-        self.buffers = buffers
+        # The lead table's buffer first, so every pass over the buffers hands its rows over first.
+        self.buffers = sorted(buffers, key=lambda b: b.layout.table.name != lead_table)
+        self._lead = self.buffers[0] if buffers and self.buffers[0].layout.table.name == lead_table else None
         self.instance_id = instance_id
         self.decoders = decoders
         self.peekers = peekers or {}  # like decoders, but leave the strings in place (journal)
@@ -120,14 +128,30 @@ class Flusher:
             for b in self.buffers:
                 if self.journal_sink is not None:
                     if b.num_rows() + self.journaled[b.layout.table.name] >= self.batch_rows:
+                        self._hand_over_lead(b)
                         self._journal(b)
                         self._commit(b)
                     continue
                 # Whole batches present now; later rows wait, so a producer
                 # faster than the sink cannot starve the other tables.
                 num_batches = b.num_rows() // self.batch_rows
+                if num_batches:
+                    self._hand_over_lead(b)
                 for _ in range(num_batches):
                     self._write_one(b)
+
+    def _hand_over_lead(self, b: TableBuffer) -> None:
+        """Before rows of ``b`` go to the sink out of turn (a full buffer), the lead table's rows go
+        (under ``lock``): journaled, or written as a part without a journal."""
+        lead = self._lead
+        if lead is None or lead is b or not lead.num_rows():
+            return
+        if self.journal_sink is not None:
+            self._journal(lead)
+            return
+        num_left = lead.num_rows()
+        while num_left > 0 and self._write_one(lead):
+            num_left -= self.batch_rows
 
     def _journal_all(self) -> None:
         """Hand every buffered row to the sink's crash journal (a part is cut once enough wait).
