@@ -44,7 +44,10 @@ from tokentrace.clock import RunClocks
 from tokentrace.schema import REQUESTS, TOKENS, col
 
 __all__ = ["client_token_times", "token_agreement", "ttft_agreement", "itl_agreement", "agreement_summary",
-           "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS", "CHUNK_TOLERANCE_NS"]
+           "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS", "CHUNK_TOLERANCE_NS", "SPAN_COLUMNS"]
+
+SPAN_COLUMNS = [col.REQUEST_ID, col.STAGE, col.TOKEN_INDEX, col.START_NS, col.END_NS, col.INSTANCE_ID]
+"""The span columns the stage sums read (a run's spans can be most of its size: only these are loaded)."""
 
 CLIENT_NS = "client_ns"
 """Client-observed latency of the token (TTFT for token 0, ITL otherwise), ns."""
@@ -126,10 +129,12 @@ def _chunk_of(tokens: pa.Table, instances: pa.Table, server: pd.DataFrame) -> pd
     sent = srv.filter(pc.is_valid(srv.column(col.SENT_NS))).select([col.REQUEST_ID, col.TOKEN_INDEX]).to_pandas()
     if sent.empty:
         return server[col.TOKEN_INDEX]
-    closes = set(zip(sent[col.REQUEST_ID].astype("int64"), sent[col.TOKEN_INDEX].astype("int64")))
-    streamed = set(sent[col.REQUEST_ID].astype("int64"))
-    keys = list(zip(server[col.REQUEST_ID], server[col.TOKEN_INDEX]))
-    closing = pd.Series([k[1] if k in closes else np.nan for k in keys], index=server.index, dtype="float64")
+    key = [col.REQUEST_ID, col.TOKEN_INDEX]
+    closes = sent[key].astype("int64").drop_duplicates().assign(_closes=True)
+    streamed = closes[col.REQUEST_ID].unique()
+    flagged = server[key].astype("int64").merge(closes, on=key, how="left")  # a left merge keeps server's order
+    closing = pd.Series(np.where(flagged["_closes"].notna().to_numpy(), server[col.TOKEN_INDEX].to_numpy(float),
+                                 np.nan), index=server.index, dtype="float64")
     chunk = closing.groupby(server[col.REQUEST_ID]).bfill()  # the next token that went out
     plain = ~server[col.REQUEST_ID].isin(streamed)
     return chunk.where(~plain, server[col.TOKEN_INDEX].astype("float64"))
@@ -209,8 +214,10 @@ def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
         server = server.merge(sums, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="left")
     server["chunk"] = _chunk_of(tokens, instances, server)
     server = server.dropna(subset=["chunk"])  # tokens after the last chunk sent: never delivered
-    agg = {SERVER_NS: "sum"} | ({STAGE_SUM_NS: lambda s: s.sum(min_count=1)} if sums is not None else {})
-    chunks = server.groupby([col.REQUEST_ID, "chunk"], as_index=False).agg(agg)
+    by_chunk = server.groupby([col.REQUEST_ID, "chunk"])  # sorted by request, then chunk
+    chunks = by_chunk[SERVER_NS].sum().reset_index()
+    if sums is not None:  # a chunk none of whose tokens has a span has no stage sum (NaN, not 0)
+        chunks[STAGE_SUM_NS] = by_chunk[STAGE_SUM_NS].sum(min_count=1).to_numpy()
     chunks[col.TOKEN_INDEX] = chunks.groupby(col.REQUEST_ID).cumcount().astype("int64")  # sorted by chunk
     chunks = _align_by_time(chunks, tokens, instances, sums is not None)
     out = client.merge(chunks.drop(columns="chunk"), on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")

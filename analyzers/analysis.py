@@ -204,7 +204,8 @@ class RunAnalysis:
         from analyzers import agreement
 
         if self.run is not None:  # the reader's tables, on the recording clocks (agreement aligns them)
-            requests, tokens, spans = (self.run.table(n) for n in ("requests", "tokens", "spans"))
+            requests, tokens = (self.run.table(n) for n in ("requests", "tokens"))
+            spans = self.run.table("spans", columns=agreement.SPAN_COLUMNS)  # what the stage sums read
         else:
             requests, tokens, spans = (self.source.arrow(f"SELECT * FROM raw_{n}")
                                        for n in ("requests", "tokens", "spans"))

@@ -311,31 +311,45 @@ def request_fluidity(src: Source, *, targets: Mapping[str, SloTargets] | None = 
         ORDER BY t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}
     """)
     tg = resolve_targets(src, sorted(df[c.SLO_CLASS].unique().tolist()), targets)
-    rows = []
     ids = df[c.REQUEST_ID].to_numpy()
-    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if len(ids) else np.empty(0, int)
-    ends = df[TOKEN_END].to_numpy(np.int64)
-    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(ids)]):
-        if hi <= lo:
-            continue
-        cls = df[c.SLO_CLASS].iat[lo]
-        t = tg[cls]
-        missed = _missed_deadlines(int(df[c.ARRIVAL_NS].iat[lo]), ends[lo:hi], t.ttft_ms * 1e6, t.tpot_ms * 1e6)
-        n = hi - lo
-        rows.append({c.REQUEST_ID: ids[lo], c.SLO_CLASS: cls, "num_deadlines": n, "num_missed": missed,
-                     "fluidity_index": 1 - missed / n})
-    cols = [c.REQUEST_ID, c.SLO_CLASS, "num_deadlines", "num_missed", "fluidity_index"]
-    return pd.DataFrame(rows, columns=cols)
+    starts = np.r_[0, np.flatnonzero(ids[1:] != ids[:-1]) + 1] if len(ids) else np.empty(0, np.int64)
+    counts = np.diff(np.r_[starts, len(ids)]).astype(np.int64)
+    classes = df[c.SLO_CLASS].iloc[starts].reset_index(drop=True)
+    per_class = classes.astype("category")  # a few classes: map each once, not each request
+    ttft_ns = per_class.map({k: t.ttft_ms * 1e6 for k, t in tg.items()}).to_numpy(float)
+    tpot_ns = per_class.map({k: t.tpot_ms * 1e6 for k, t in tg.items()}).to_numpy(float)
+    arrival = df[c.ARRIVAL_NS].to_numpy(np.int64)[starts]
+    missed = _missed_deadlines(df[TOKEN_END].to_numpy(np.int64), starts, counts, arrival, ttft_ns, tpot_ns)
+    return pd.DataFrame({c.REQUEST_ID: ids[starts], c.SLO_CLASS: classes, "num_deadlines": counts,
+                         "num_missed": missed, "fluidity_index": 1 - missed / counts})
 
 
-def _missed_deadlines(arrival: int, times: np.ndarray, ttft_ns: float, tpot_ns: float) -> int:
-    """Deadlines missed by tokens delivered at ``times`` (ns, token order), with Etalon's reset."""
-    anchor, anchor_index, missed = arrival + ttft_ns, 0, 0
-    for i, t in enumerate(times.tolist()):
-        deadline = anchor + (i - anchor_index) * tpot_ns
-        if t > deadline:
-            missed += 1
-            anchor, anchor_index = float(t), i
+def _missed_deadlines(times: np.ndarray, starts: np.ndarray, counts: np.ndarray, arrival: np.ndarray,
+                      ttft_ns: np.ndarray, tpot_ns: np.ndarray) -> np.ndarray:
+    """Per request, the deadlines its tokens missed, with Etalon's reset: request r's tokens were delivered at
+    ``times[starts[r]:starts[r] + counts[r]]`` (ns, token order).
+
+    Every request steps through its tokens at once, one token position at a time (the reset makes each
+    request's deadlines depend on its own earlier tokens, not on other requests'); requests are taken longest
+    first, so the ones still streaming at position i are a prefix. Times are taken relative to each request's
+    arrival: small enough for the float deadlines to be exact to the nanosecond."""
+    order = np.argsort(-counts, kind="stable")
+    n, lo = counts[order], starts[order]
+    rel = times - np.repeat(arrival, counts)  # ns since the request's arrival (exact integers)
+    anchor = ttft_ns[order].astype(float)  # the deadline of token anchor_index, relative to arrival
+    anchor_index = np.zeros(len(order), np.int64)
+    tpot = tpot_ns[order]
+    missed_sorted = np.zeros(len(order), np.int64)
+    for i in range(int(n[0]) if len(n) else 0):
+        active = int(np.searchsorted(-n, -i, side="left"))  # requests of more than i tokens: a prefix of n
+        t = rel[lo[:active] + i]
+        deadline = anchor[:active] + (i - anchor_index[:active]) * tpot[:active]
+        late = t > deadline
+        missed_sorted[:active] += late
+        anchor[:active] = np.where(late, t, anchor[:active])
+        anchor_index[:active] = np.where(late, i, anchor_index[:active])
+    missed = np.empty_like(missed_sorted)
+    missed[order] = missed_sorted
     return missed
 
 

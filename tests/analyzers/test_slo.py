@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from handmade import MS
 
 from analyzers.groups import ALL
 from analyzers.slo import SloTargets, fluidity, goodput, request_fluidity, slo_attainment
@@ -125,3 +127,35 @@ def test_empty_store(handmade):
     assert _row(slo_attainment(src), ALL)["num_requests"] == 0
     assert math.isnan(_row(goodput(src), ALL)["goodput_rps"])
     assert _row(fluidity(src), ALL)["num_deadlines"] == 0
+
+
+def _reference_missed(arrival_ns: int, times_ns: list[int], ttft_ns: int, tpot_ns: int) -> int:
+    """Etalon's definition, one token at a time in exact integers: the deadlines of a request's tokens."""
+    anchor, anchor_index, missed = arrival_ns + ttft_ns, 0, 0
+    for i, t in enumerate(times_ns):
+        if t > anchor + (i - anchor_index) * tpot_ns:
+            missed, anchor, anchor_index = missed + 1, t, i
+    return missed
+
+
+def test_request_fluidity_matches_the_definition_token_by_token_on_many_requests(handmade):
+    # Requests of 1 to 40 tokens in two classes, on a clock far from zero, with stalls that miss deadlines and
+    # tokens landing exactly on one (met: a deadline is missed only when a token comes after it).
+    rng = np.random.default_rng(7)
+    targets = {"interactive": (500, 100), "batch": (30_000, 1_000)}  # ms, the defaults
+    expected = {}
+    base = 1_764_547_200_000  # ms: a wall clock (2025-12-01), past 2**53 ns
+    for rid in range(1, 301):
+        cls = "batch" if rid % 4 == 0 else "interactive"
+        ttft, tpot = targets[cls]
+        arrival = base + int(rng.integers(0, 60_000))
+        n = int(rng.integers(1, 41))
+        gaps = rng.choice([tpot // 2, tpot, tpot + 1, 3 * tpot], size=n, p=[0.5, 0.2, 0.2, 0.1]).astype(int)
+        gaps[0] = rng.choice([ttft // 2, ttft, ttft + 1])
+        times = (arrival + np.cumsum(gaps)).tolist()
+        handmade.request(rid, arrival, times[-1], cls=cls).tokens(rid, times)
+        expected[rid] = _reference_missed(arrival * MS, [t * MS for t in times], ttft * MS, tpot * MS)
+    per = request_fluidity(handmade.source()).set_index(col.REQUEST_ID)
+    assert per["num_missed"].to_dict() == expected
+    assert sum(expected.values()) > 100 and min(expected.values()) == 0  # stalls were planted, and smooth requests
+    assert (per["num_deadlines"] >= 1).all()
