@@ -27,8 +27,10 @@ reference clock (:meth:`tokentrace.clock.RunClocks.align`):
   client also waits for the network and for the server's accept/parse), an ITL
   difference is centred on zero (jitter of delivery).
 
-Pure functions: store tables (Arrow) in, pandas out. No client rows or no server rows
-give empty results.
+A run's :class:`~analyzers.source.Source` in (:func:`source_token_agreement`, which
+:meth:`analyzers.analysis.RunAnalysis.agreement` calls: the joins and groupings run in its
+engine, over the part files or the run's derived facts), or store tables (Arrow) in; pandas out.
+No client rows or no server rows give empty results.
 """
 
 from __future__ import annotations
@@ -36,18 +38,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from analyzers.source import client_instance_ids
-from analyzers.timing import LATENCY, token_intervals
-from tokentrace.clock import RunClocks
-from tokentrace.schema import REQUESTS, TOKENS, col
+from analyzers.source import Source, client_instance_ids
+from analyzers.timing import LATENCY, token_times
+from tokentrace.schema import col
 
 __all__ = ["client_token_times", "token_agreement", "ttft_agreement", "itl_agreement", "agreement_summary",
-           "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS", "STAGE_DIFF_NS", "CHUNK_TOLERANCE_NS", "SPAN_COLUMNS"]
-
-SPAN_COLUMNS = [col.REQUEST_ID, col.STAGE, col.TOKEN_INDEX, col.START_NS, col.END_NS, col.INSTANCE_ID]
-"""The span columns the stage sums read (a run's spans can be most of its size: only these are loaded)."""
+           "source_token_agreement", "source_agreement_summary", "CLIENT_NS", "SERVER_NS", "STAGE_SUM_NS", "DIFF_NS",
+           "STAGE_DIFF_NS", "CHUNK_TOLERANCE_NS"]
 
 CLIENT_NS = "client_ns"
 """Client-observed latency of the token (TTFT for token 0, ITL otherwise), ns."""
@@ -68,9 +66,168 @@ _DELIVERED = "delivered_ns"
 _SUMMARY_METRICS = (("ttft", DIFF_NS), ("itl", DIFF_NS), ("ttft_stages", STAGE_DIFF_NS), ("itl_stages", STAGE_DIFF_NS))
 
 
-def _only(t: pa.Table, ids: list[int], keep: bool) -> pa.Table:
-    mask = pc.is_in(t.column(col.INSTANCE_ID), value_set=pa.array(ids, pa.int64()))
-    return t.filter(mask if keep else pc.invert(mask))
+def _clients(src: Source) -> str:
+    """SQL list of the client instances' ids (``NULL`` when there is none: ``IN (NULL)`` keeps no row)."""
+    ids = client_instance_ids(src.arrow("SELECT * FROM instances"))
+    return ", ".join(str(int(i)) for i in ids) or "NULL"
+
+
+def _client_sql(clients: str) -> str:
+    """SELECT of the client's view per token: request_id, token_index, client_ns (TTFT for token 0, else the
+    gap since the previous chunk; none after a gap in indices, nor for a request the client never sent)."""
+    c = col
+    return f"""
+        WITH sends AS (
+            SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS send_ns FROM requests
+            WHERE {c.INSTANCE_ID} IN ({clients}) AND {c.ARRIVAL_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}
+        ), recv AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, MIN({c.RECV_NS}) AS recv_ns FROM tokens
+            WHERE {c.INSTANCE_ID} IN ({clients}) AND {c.RECV_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        ), ordered AS (
+            SELECT r.{c.REQUEST_ID}, r.{c.TOKEN_INDEX}, r.recv_ns, s.send_ns,
+                   LAG(r.recv_ns) OVER w AS prev_ns, LAG(r.{c.TOKEN_INDEX}) OVER w AS prev_index
+            FROM recv r JOIN sends s ON r.{c.REQUEST_ID} = s.{c.REQUEST_ID}
+            WINDOW w AS (PARTITION BY r.{c.REQUEST_ID} ORDER BY r.{c.TOKEN_INDEX})
+        )
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
+               CASE WHEN {c.TOKEN_INDEX} = 0 THEN recv_ns - send_ns ELSE recv_ns - prev_ns END AS {CLIENT_NS}
+        FROM ordered WHERE {c.TOKEN_INDEX} = 0 OR prev_index = {c.TOKEN_INDEX} - 1
+    """
+
+
+def _chunks(src: Source) -> None:
+    """Temp table ``agr_chunks``: the server's chunks, request_id, chunk (the index of the token that closed
+    it), chunk_index (its position in the stream), server_ns and server_stage_sum_ns (NULL: no span).
+
+    A token goes out with the next token a server process sent (``sent_ns``), itself included; in a request
+    nothing was sent for (an engine alone), every token is its own chunk; tokens after the last one sent were
+    never delivered. Each token's latency and in-interval stage time (:func:`~analyzers.stage_breakdown.
+    token_spans`) add up into its chunk."""
+    from analyzers.stage_breakdown import token_spans
+
+    c = col
+    src.execute(f"""
+        CREATE OR REPLACE TEMP TABLE agr_chunks AS
+        WITH closes AS (
+            SELECT DISTINCT {c.REQUEST_ID}, {c.TOKEN_INDEX} FROM srv_tokens WHERE {c.SENT_NS} IS NOT NULL
+        ), streamed AS (SELECT DISTINCT {c.REQUEST_ID} FROM closes),
+        stage AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(ns) AS stage_ns FROM {token_spans(src)}
+            GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        ), server AS (
+            SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat, g.stage_ns,
+                   CASE WHEN s.{c.REQUEST_ID} IS NULL THEN t.{c.TOKEN_INDEX}
+                        ELSE MIN(k.{c.TOKEN_INDEX}) OVER (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX}
+                                                      ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) END AS chunk
+            FROM {token_times(src)} t
+            LEFT JOIN closes k ON t.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
+            LEFT JOIN streamed s ON t.{c.REQUEST_ID} = s.{c.REQUEST_ID}
+            LEFT JOIN stage g ON t.{c.REQUEST_ID} = g.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = g.{c.TOKEN_INDEX}
+        ), grouped AS (
+            SELECT {c.REQUEST_ID}, chunk, SUM(lat) AS {SERVER_NS}, SUM(stage_ns) AS {STAGE_SUM_NS}
+            FROM server WHERE chunk IS NOT NULL GROUP BY {c.REQUEST_ID}, chunk
+        )
+        SELECT *, ROW_NUMBER() OVER (PARTITION BY {c.REQUEST_ID} ORDER BY chunk) - 1 AS chunk_index FROM grouped
+    """)
+
+
+def _realigned(src: Source, clients: str) -> pd.DataFrame:
+    """The chunks of the streamed requests whose chunk counts differ between the two sides, re-indexed as the
+    client counts them (see the module docstring): request_id, chunk_index, server_ns, server_stage_sum_ns.
+    Only a send time bounds a receipt (an engine's emit may run ahead of the stream), so requests no server
+    process streamed keep their positions. Few requests differ; they are aligned one by one."""
+    c = col
+    differ = f"""
+        WITH recv AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, MIN({c.RECV_NS}) AS t FROM tokens
+            WHERE {c.INSTANCE_ID} IN ({clients}) AND {c.RECV_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        ), client_count AS (SELECT {c.REQUEST_ID}, MAX({c.TOKEN_INDEX}) + 1 AS n FROM recv GROUP BY {c.REQUEST_ID}),
+        server_count AS (SELECT {c.REQUEST_ID}, COUNT(*) AS n FROM agr_chunks GROUP BY {c.REQUEST_ID}),
+        delivered AS (SELECT DISTINCT {c.REQUEST_ID} FROM srv_tokens WHERE {c.SENT_NS} IS NOT NULL)
+        SELECT a.{c.REQUEST_ID} FROM client_count a
+        JOIN server_count b ON a.{c.REQUEST_ID} = b.{c.REQUEST_ID}
+        JOIN delivered d ON a.{c.REQUEST_ID} = d.{c.REQUEST_ID}
+        WHERE a.n <> b.n
+    """
+    moved = src.df(f"""
+        WITH differ AS ({differ}),
+        sent AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, MIN({c.SENT_NS}) AS {_DELIVERED} FROM srv_tokens
+            WHERE {c.SENT_NS} IS NOT NULL AND {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM differ)
+            GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        )
+        SELECT k.{c.REQUEST_ID}, k.chunk_index, k.{SERVER_NS}, k.{STAGE_SUM_NS}, s.{_DELIVERED}
+        FROM agr_chunks k JOIN differ USING ({c.REQUEST_ID})
+        LEFT JOIN sent s ON k.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND k.chunk = s.{c.TOKEN_INDEX}
+        ORDER BY k.{c.REQUEST_ID}, k.chunk_index
+    """)
+    if moved.empty:
+        return moved
+    recv = src.df(f"""
+        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, MIN({c.RECV_NS}) AS {_DELIVERED} FROM tokens
+        WHERE {c.INSTANCE_ID} IN ({clients}) AND {c.RECV_NS} IS NOT NULL
+          AND {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM ({differ}) d)
+        GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX} ORDER BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+    """)
+    recv_of = {rid: g for rid, g in recv.groupby(c.REQUEST_ID, sort=False)}
+    rows = []
+    for rid, server in moved.groupby(c.REQUEST_ID, sort=False):
+        times = server[_DELIVERED].to_numpy(dtype="float64", na_value=np.nan)
+        lat = server[SERVER_NS].to_numpy(dtype="float64")
+        stage = server[STAGE_SUM_NS].to_numpy(dtype="float64", na_value=np.nan)
+        done = 0  # server chunks already given to earlier client chunks
+        client = recv_of.get(rid)
+        for index, t in zip(client[c.TOKEN_INDEX], client[_DELIVERED]) if client is not None else ():
+            ok = np.nonzero(times[done:] <= t + CHUNK_TOLERANCE_NS)[0]
+            if ok.size == 0:
+                continue  # the server delivered nothing new by then: no comparison for this chunk
+            last = done + int(ok[-1])
+            part = stage[done:last + 1]
+            rows.append({c.REQUEST_ID: rid, "chunk_index": int(index), SERVER_NS: lat[done:last + 1].sum(),
+                         STAGE_SUM_NS: np.nan if np.isnan(part).all() else np.nansum(part)})
+            done = last + 1
+    return pd.DataFrame(rows, columns=[c.REQUEST_ID, "chunk_index", SERVER_NS, STAGE_SUM_NS])
+
+
+def source_token_agreement(src: Source) -> pd.DataFrame:
+    """:func:`token_agreement` of a :class:`~analyzers.source.Source` (any engine, the run's derived facts when
+    it has them): the joins and groupings run in the engine, only the compared chunks come back."""
+    c = col
+    clients = _clients(src)
+    _chunks(src)
+    realigned = _realigned(src, clients)
+    moved = "" if realigned.empty else "agr_moved"
+    if moved:
+        src.register(moved, realigned)
+    kept = (f"SELECT {c.REQUEST_ID}, chunk_index, {SERVER_NS}, {STAGE_SUM_NS} FROM agr_chunks"
+            + (f" WHERE {c.REQUEST_ID} NOT IN (SELECT DISTINCT {c.REQUEST_ID} FROM {moved})" if moved else "")
+            + (f" UNION ALL SELECT {c.REQUEST_ID}, chunk_index, {SERVER_NS}, {STAGE_SUM_NS} FROM {moved}"
+               if moved else ""))
+    out = src.df(f"""
+        WITH client AS ({_client_sql(clients)}), server AS ({kept})
+        SELECT k.{c.REQUEST_ID}, k.{c.TOKEN_INDEX}, k.{CLIENT_NS}, CAST(s.{SERVER_NS} AS BIGINT) AS {SERVER_NS},
+               CAST(s.{STAGE_SUM_NS} AS BIGINT) AS {STAGE_SUM_NS}
+        FROM client k JOIN server s ON k.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = s.chunk_index
+        ORDER BY k.{c.REQUEST_ID}, k.{c.TOKEN_INDEX}
+    """)
+    if moved:
+        src.unregister(moved)
+    src.execute("DROP TABLE IF EXISTS agr_chunks")
+    for name in (c.REQUEST_ID, c.TOKEN_INDEX, CLIENT_NS, SERVER_NS):
+        out[name] = out[name].astype("int64")
+    out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]
+    out[STAGE_SUM_NS] = out[STAGE_SUM_NS].astype("Int64")
+    out[STAGE_DIFF_NS] = out[STAGE_SUM_NS] - out[CLIENT_NS]
+    return out[[c.REQUEST_ID, c.TOKEN_INDEX, CLIENT_NS, SERVER_NS, DIFF_NS, STAGE_SUM_NS, STAGE_DIFF_NS]]
+
+
+def source_agreement_summary(src: Source) -> pd.DataFrame:
+    """:func:`agreement_summary` of a :class:`~analyzers.source.Source`."""
+    return _summary(source_token_agreement(src))
+
+
+def _tables(requests: pa.Table, tokens: pa.Table, instances: pa.Table, spans: pa.Table | None) -> Source:
+    return Source.of_tables(requests=requests, tokens=tokens, instances=instances, spans=spans)
 
 
 def client_token_times(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
@@ -78,157 +235,19 @@ def client_token_times(requests: pa.Table, tokens: pa.Table, instances: pa.Table
 
     Tokens of requests the client never saw a token 0 of are left out.
     """
-    clients = client_instance_ids(instances)
-    empty = pd.DataFrame({col.REQUEST_ID: pd.Series(dtype="int64"), col.TOKEN_INDEX: pd.Series(dtype="int64"),
-                          CLIENT_NS: pd.Series(dtype="int64")})
-    if not clients:
-        return empty
-    clocks = RunClocks.from_instances(instances)
-    req = _only(clocks.align(requests, REQUESTS.name), clients, True)
-    tok = _only(clocks.align(tokens, TOKENS.name), clients, True)
-    if req.num_rows == 0 or tok.num_rows == 0:
-        return empty
-    exact = {pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int64Dtype()}.get  # ns stay exact (no float64)
-    sends = (req.select([col.REQUEST_ID, col.ARRIVAL_NS]).to_pandas(types_mapper=exact)
-             .dropna().astype("int64").groupby(col.REQUEST_ID, as_index=False)[col.ARRIVAL_NS].min())
-    recv = (tok.select([col.REQUEST_ID, col.TOKEN_INDEX, col.RECV_NS]).to_pandas(types_mapper=exact)
-            .dropna().astype("int64")
-            .groupby([col.REQUEST_ID, col.TOKEN_INDEX], as_index=False)[col.RECV_NS].min())
-    recv = recv.merge(sends, on=col.REQUEST_ID, how="inner").sort_values([col.REQUEST_ID, col.TOKEN_INDEX])
-    by_request = recv.groupby(col.REQUEST_ID)
-    prev = by_request[col.RECV_NS].shift(1, fill_value=0)
-    prev_index = by_request[col.TOKEN_INDEX].shift(1, fill_value=-2)
-    first = recv[col.TOKEN_INDEX] == 0
-    base = recv[col.ARRIVAL_NS].where(first, prev)
-    recv[CLIENT_NS] = recv[col.RECV_NS] - base
-    recv = recv[first | (prev_index == recv[col.TOKEN_INDEX] - 1)]  # a gap in indices: no ITL for that token
-    return recv[[col.REQUEST_ID, col.TOKEN_INDEX, CLIENT_NS]].reset_index(drop=True)
-
-
-def _stage_sums(spans: pa.Table | None, requests: pa.Table, tokens: pa.Table,
-                instances: pa.Table) -> pd.DataFrame | None:
-    """Per server token: its stage time, each span clipped to the token's interval (as the breakdown does)."""
-    if spans is None or spans.num_rows == 0:
-        return None
-    from analyzers.source import Source
-    from analyzers.stage_breakdown import token_spans
-
-    src = Source.of_tables(spans=spans, requests=requests, tokens=tokens, instances=instances)
+    src = _tables(requests, tokens, instances, None)
     c = col
-    return src.df(f"""
-        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(ns)::BIGINT AS {STAGE_SUM_NS}
-        FROM {token_spans(src)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-    """)
-
-
-def _chunk_of(tokens: pa.Table, instances: pa.Table, server: pd.DataFrame) -> pd.Series:
-    """Per row of ``server`` (request_id, token_index): the index of the token that closed its
-    chunk (the next one a server process sent), or the token itself in a request nothing sent."""
-    clients = client_instance_ids(instances)
-    srv = _only(tokens, clients, False) if clients else tokens
-    sent = srv.filter(pc.is_valid(srv.column(col.SENT_NS))).select([col.REQUEST_ID, col.TOKEN_INDEX]).to_pandas()
-    if sent.empty:
-        return server[col.TOKEN_INDEX]
-    key = [col.REQUEST_ID, col.TOKEN_INDEX]
-    closes = sent[key].astype("int64").drop_duplicates().assign(_closes=True)
-    streamed = closes[col.REQUEST_ID].unique()
-    flagged = server[key].astype("int64").merge(closes, on=key, how="left")  # a left merge keeps server's order
-    closing = pd.Series(np.where(flagged["_closes"].notna().to_numpy(), server[col.TOKEN_INDEX].to_numpy(float),
-                                 np.nan), index=server.index, dtype="float64")
-    chunk = closing.groupby(server[col.REQUEST_ID]).bfill()  # the next token that went out
-    plain = ~server[col.REQUEST_ID].isin(streamed)
-    return chunk.where(~plain, server[col.TOKEN_INDEX].astype("float64"))
-
-
-def _token_times(tokens: pa.Table, instances: pa.Table, clients: bool) -> pd.DataFrame:
-    """(request_id, token_index, time) on the reference clock: the client's receipt, or the
-    server's send (a chunk written to the stream)."""
-    ids = client_instance_ids(instances)
-    tok = RunClocks.from_instances(instances).align(tokens, TOKENS.name)
-    tok = _only(tok, ids, clients) if ids else (tok if not clients else tok.slice(0, 0))
-    column = col.RECV_NS if clients else col.SENT_NS
-    df = tok.select([col.REQUEST_ID, col.TOKEN_INDEX, column]).to_pandas().rename(columns={column: _DELIVERED})
-    df = df.dropna(subset=[_DELIVERED])
-    return df.groupby([col.REQUEST_ID, col.TOKEN_INDEX], as_index=False)[_DELIVERED].min()
-
-
-def _align_by_time(chunks: pd.DataFrame, tokens: pa.Table, instances: pa.Table, has_sums: bool) -> pd.DataFrame:
-    """``chunks`` re-indexed as the client counts them, for streamed requests whose chunk counts
-    differ (see the module docstring); other requests keep their positions. Only a send time
-    bounds a receipt: an engine's emit may run ahead of the stream, so requests no server
-    process streamed are aligned by position."""
-    recv = _token_times(tokens, instances, clients=True)
-    if recv.empty or chunks.empty:
-        return chunks
-    delivered = _token_times(tokens, instances, clients=False).rename(columns={col.TOKEN_INDEX: "chunk"})
-    client_count = recv.groupby(col.REQUEST_ID)[col.TOKEN_INDEX].max() + 1
-    server_count = chunks.groupby(col.REQUEST_ID).size()
-    both = client_count.index.intersection(server_count.index).intersection(pd.Index(delivered[col.REQUEST_ID]))
-    differ = set(both[(client_count[both] != server_count[both]).to_numpy()])
-    if not differ:
-        return chunks
-    delivered["chunk"] = delivered["chunk"].astype("float64")
-    moved = chunks[chunks[col.REQUEST_ID].isin(differ)].merge(delivered, on=[col.REQUEST_ID, "chunk"], how="left")
-    rows = []
-    recv_of = {rid: g.sort_values(col.TOKEN_INDEX) for rid, g in recv[recv[col.REQUEST_ID].isin(differ)]
-               .groupby(col.REQUEST_ID)}
-    for rid, server in moved.sort_values([col.REQUEST_ID, col.TOKEN_INDEX]).groupby(col.REQUEST_ID):
-        times = server[_DELIVERED].to_numpy(dtype="float64")
-        lat = server[SERVER_NS].to_numpy(dtype="float64")
-        stage = (server[STAGE_SUM_NS].astype("Float64").to_numpy(dtype="float64", na_value=np.nan)
-                 if has_sums else None)
-        done = 0  # server chunks already given to earlier client chunks
-        for index, t in zip(recv_of[rid][col.TOKEN_INDEX], recv_of[rid][_DELIVERED]):
-            ok = np.nonzero(times[done:] <= t + CHUNK_TOLERANCE_NS)[0]
-            if ok.size == 0:
-                continue  # the server delivered nothing new by then: no comparison for this chunk
-            last = done + int(ok[-1])
-            row = {col.REQUEST_ID: rid, "chunk": float(times[last]), col.TOKEN_INDEX: int(index),
-                   SERVER_NS: lat[done:last + 1].sum()}
-            if stage is not None:
-                part = stage[done:last + 1]
-                row[STAGE_SUM_NS] = np.nan if np.isnan(part).all() else np.nansum(part)
-            rows.append(row)
-            done = last + 1
-    kept = chunks[~chunks[col.REQUEST_ID].isin(differ)]
-    if not rows:
-        return kept
-    return pd.concat([kept, pd.DataFrame(rows)], ignore_index=True)
+    out = src.df(f"SELECT * FROM ({_client_sql(_clients(src))}) x ORDER BY {c.REQUEST_ID}, {c.TOKEN_INDEX}")
+    return out.astype({c.REQUEST_ID: "int64", c.TOKEN_INDEX: "int64", CLIENT_NS: "int64"})
 
 
 def token_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
                     spans: pa.Table | None = None) -> pd.DataFrame:
     """One row per chunk seen by both sides: request_id, token_index (the chunk's position in
     the stream, as the client counts it), client_ns, server_ns, diff_ns, server_stage_sum_ns
-    and stage_diff_ns (nullable Int64 when spans are absent). A chunk is a token unless the
+    and stage_diff_ns (nullable Int64, null without spans). A chunk is a token unless the
     server held tokens back (see the module docstring)."""
-    client = client_token_times(requests, tokens, instances)
-    server = token_intervals(requests, tokens, instances)[[col.REQUEST_ID, col.TOKEN_INDEX, LATENCY]]
-    server = server.rename(columns={LATENCY: SERVER_NS})
-    for df in (client, server):
-        df[col.TOKEN_INDEX] = df[col.TOKEN_INDEX].astype("int64")
-        df[col.REQUEST_ID] = df[col.REQUEST_ID].astype("int64")
-    sums = _stage_sums(spans, requests, tokens, instances)
-    if sums is not None:
-        sums[col.TOKEN_INDEX] = sums[col.TOKEN_INDEX].astype("int64")
-        server = server.merge(sums, on=[col.REQUEST_ID, col.TOKEN_INDEX], how="left")
-    server["chunk"] = _chunk_of(tokens, instances, server)
-    server = server.dropna(subset=["chunk"])  # tokens after the last chunk sent: never delivered
-    by_chunk = server.groupby([col.REQUEST_ID, "chunk"])  # sorted by request, then chunk
-    chunks = by_chunk[SERVER_NS].sum().reset_index()
-    if sums is not None:  # a chunk none of whose tokens has a span has no stage sum (NaN, not 0)
-        chunks[STAGE_SUM_NS] = by_chunk[STAGE_SUM_NS].sum(min_count=1).to_numpy()
-    chunks[col.TOKEN_INDEX] = chunks.groupby(col.REQUEST_ID).cumcount().astype("int64")  # sorted by chunk
-    chunks = _align_by_time(chunks, tokens, instances, sums is not None)
-    out = client.merge(chunks.drop(columns="chunk"), on=[col.REQUEST_ID, col.TOKEN_INDEX], how="inner")
-    out[SERVER_NS] = out[SERVER_NS].astype("int64")
-    out[DIFF_NS] = out[SERVER_NS] - out[CLIENT_NS]
-    if sums is not None:
-        out[STAGE_SUM_NS] = out[STAGE_SUM_NS].astype("Int64")
-    else:
-        out[STAGE_SUM_NS] = pd.array([pd.NA] * len(out), dtype="Int64")
-    out[STAGE_DIFF_NS] = out[STAGE_SUM_NS] - out[CLIENT_NS]
-    return out.sort_values([col.REQUEST_ID, col.TOKEN_INDEX]).reset_index(drop=True)
+    return source_token_agreement(_tables(requests, tokens, instances, spans))
 
 
 def ttft_agreement(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
@@ -253,7 +272,10 @@ def agreement_summary(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
     ``itl_stages`` (server stage sums - client). Columns: metric, count, mean_ms,
     p50_ms, p99_ms, max_abs_ms (NaN where a metric has no samples).
     """
-    df = token_agreement(requests, tokens, instances, spans)
+    return _summary(token_agreement(requests, tokens, instances, spans))
+
+
+def _summary(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for name, column in _SUMMARY_METRICS:
         part = df[df[col.TOKEN_INDEX] == 0] if name.startswith("ttft") else df[df[col.TOKEN_INDEX] > 0]

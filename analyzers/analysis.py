@@ -203,14 +203,7 @@ class RunAnalysis:
         """Server view against the client's (``analyzers.agreement.agreement_summary``); empty without client rows."""
         from analyzers import agreement
 
-        if self.run is not None:  # the reader's tables, on the recording clocks (agreement aligns them)
-            requests, tokens = (self.run.table(n) for n in ("requests", "tokens"))
-            spans = self.run.table("spans", columns=agreement.SPAN_COLUMNS)  # what the stage sums read
-        else:
-            requests, tokens, spans = (self.source.arrow(f"SELECT * FROM raw_{n}")
-                                       for n in ("requests", "tokens", "spans"))
-        instances = self.source.arrow("SELECT * FROM instances")
-        return agreement.agreement_summary(requests, tokens, instances, spans)
+        return agreement.source_agreement_summary(self.source)
 
 
 def _as_source(x: Any, like: Source) -> Source:
