@@ -41,7 +41,9 @@ _LABELS: dict[str, str] = {
     col.NUM_CACHED_TOKENS: "cached tokens", col.STATUS: "status",
     "count": "samples", "metric": "metric", "stage": "stage", "t_s": "time (s)", "window_start_s": "window start (s)",
     "ttft_ms": "TTFT (ms)", "tpot_ms": "TPOT (ms)", "itl_ms": "ITL (ms)", "e2e_ms": "end-to-end (ms)",
-    "request_rate_rps": "completed (req/s)", "goodput_rps": "goodput (req/s)", "arrival_rate_rps": "offered (req/s)",
+    "request_rate_rps": "completed (req/s)", "goodput_rps": "goodput (req/s)",
+    "attainment_constrained_rate_rps": "highest rate meeting the SLO share (req/s)",
+    "arrival_rate_rps": "offered (req/s)",
     "offered_rps": "offered (req/s)", "served_rps": "served (req/s)", "jain_index": "Jain's index",
     "ttft_attainment": "TTFT met (%)", "tpot_attainment": "TPOT met (%)", "attainment": "both met (%)",
     "lookup_hit_rate": "lookup hit rate (%)", "share_of_hit_blocks": "share of hit blocks (%)",
@@ -63,7 +65,10 @@ _ABBREVIATIONS = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "end-to-e
 
 
 def is_percent_column(column: str) -> bool:
-    """True for a column whose values are fractions 0..1."""
+    """True for a column whose values are fractions 0..1 (a unit suffix says otherwise: ``attainment_constrained_
+    rate_rps`` is a rate)."""
+    if any(column.endswith(suffix) and len(column) > len(suffix) for suffix, _ in _UNIT_SUFFIXES):
+        return False
     return any(word in column for word in PERCENT_WORDS)
 
 
