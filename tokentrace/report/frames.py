@@ -2,7 +2,8 @@
 
 Analyzer result columns carry their unit in their name (``*_ms``, ``*_s``,
 ``*_rps``) or are shares in 0..1 (``*share``, ``*attainment``, ...), which are
-shown as percentages. Pure functions; no I/O.
+shown as percentages: the same rule as their headers
+(:func:`tokentrace.report.render_names.is_percent_column`). Pure functions; no I/O.
 """
 
 from __future__ import annotations
@@ -13,17 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["PERCENT_SUFFIXES", "format_cell", "frame_cells"]
+from tokentrace.report.render_names import is_percent_column
 
-PERCENT_SUFFIXES: tuple[str, ...] = (
-    "attainment", "hit_rate", "utilisation", "fluidity", "fluidity_index", "rel_change", "relative_error",
-    "reload_ratio", "acceptance_rate",
-)
-"""Columns whose values are fractions 0..1, shown as percentages (as is any column naming a share)."""
-
-
-def _is_percent(column: str) -> bool:
-    return "share" in column or column.endswith(PERCENT_SUFFIXES)
+__all__ = ["format_cell", "frame_cells"]
 
 
 def format_cell(value: Any, column: str = "") -> str:
@@ -41,7 +34,7 @@ def format_cell(value: Any, column: str = "") -> str:
             return "-"
         if math.isinf(v):
             return "inf" if v > 0 else "-inf"
-        if _is_percent(column):
+        if is_percent_column(column):
             return f"{v * 100:+.1f}%" if column == "rel_change" else f"{v * 100:.1f}%"
         if abs(v) >= 100:
             return f"{v:,.1f}"
