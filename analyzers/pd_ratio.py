@@ -30,8 +30,11 @@
     steps) fits in it (``slo_reachable``); its limit is the headroom alone.
   - instances = ceil(work / (capacity x rho_max)), at least 1; the utilisation it
     implies = work / (instances x capacity); ``lacks`` = instances beyond the ones the
-    run had. A colocated pool serves both: work = prefill work / prefill capacity +
-    decode work / decode capacity, in busy seconds per second.
+    run had. A colocated pool serves both: work = (prefill work / prefill capacity +
+    decode work / decode capacity) x busy / (prefill busy + decode busy), in busy seconds
+    per second: a mixed step serves prefill and decode tokens at once and is busy once,
+    not twice (the factor is 1 for an engine that never mixes them, about 1/2 for one that
+    always does).
 """
 
 from __future__ import annotations
@@ -260,7 +263,10 @@ def recommendation(src: Source, util: pd.DataFrame | None = None, *, need: pd.Da
                         service_d, float(d["tpot_target_ms"]), headroom, queueing=False)]
     else:
         label = Role.COLOCATED.label if Role.COLOCATED.label in roles else _UNKNOWN
-        busy = (work_p / cap_p if cap_p > 0 else 0.0) + (work_d / cap_d if cap_d > 0 else 0.0)
+        pool = util[util["role"] == label]
+        both = float(pool["prefill_busy_s"].sum() + pool["decode_busy_s"].sum())
+        once = min(1.0, float(pool["busy_s"].sum()) / both) if both > 0 else 1.0  # a mixed step is busy once
+        busy = ((work_p / cap_p if cap_p > 0 else 0.0) + (work_d / cap_d if cap_d > 0 else 0.0)) * once
         if not (cap_p > 0 or cap_d > 0) or not math.isfinite(busy):
             busy = math.nan
         row = _advice(label, int((util["role"] == label).sum()), busy, 1.0, service_p,

@@ -108,6 +108,21 @@ def test_colocated_engine_sums_both_kinds_of_work(handmade):
     assert row["instances"] == 3 and row["lacks"] == 2  # 2.0 / 0.8 -> 3
 
 
+def test_a_colocated_engine_that_mixes_prefill_and_decode_in_one_step_is_busy_once_for_both(handmade):
+    # As above (10 req/s, 10 prompt and 1 decode token each), but every step is mixed: 100 ms serves 10 prompt
+    # tokens and 1 decode token at once. Prefill capacity 100 tok/s and decode 10 tok/s are each measured over
+    # the same 100 ms, so their work (1.0 + 1.0 busy s/s) counts that time twice: it is 1.0 busy s/s.
+    h = handmade
+    for r in range(10):
+        t = r * 100.0
+        h.request(r + 1, t, t + 200, prompt=10, cached=0, output=2).tokens(r + 1, [t + 100, t + 200])
+    h.step(1, 0, 100, prefill=10, decode=1).step(2, 100, 200, prefill=10, decode=1)
+    row = recommendation(h.source()).iloc[0]
+    assert row["work_per_s"] == pytest.approx(1.0)
+    assert row["instances"] == 2 and row["lacks"] == 1  # 1.0 / 0.8 -> 2, not 3
+    assert row["current_utilisation"] == pytest.approx(1.0)
+
+
 def test_empty_store(handmade):
     report = pd_ratio(handmade.source())
     assert report.utilisation.empty and report.pools.empty and report.watermarks.empty
