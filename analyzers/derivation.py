@@ -23,6 +23,7 @@ from analyzers.batch import decode_token_steps_sql
 from analyzers.latency import token_groups_sql
 from analyzers.slo import reported_tokens_sql
 from analyzers.source import Source
+from analyzers.spec_rows import decode_tokens_sql, has_speculation, spec_step_rows_sql
 from analyzers.stage_breakdown import token_stage_sql
 from analyzers.tenants import compute_rows_sql
 from analyzers.timing import LATENCY, request_table, token_steps, token_times
@@ -91,6 +92,10 @@ def _fact(src: Source, name: str) -> tuple[Any, dict[str, str]]:
         return _rows(src, reported_tokens_sql()), {}
     if name == "token_groups":
         return _rows(src, token_groups_sql(src)), {}
+    if name == "spec_step_rows":
+        return _rows(src, spec_step_rows_sql(src)), {}
+    if name == "spec_decode_tokens":  # read only when the run speculated: otherwise its columns alone
+        return _rows(src, decode_tokens_sql(src) + ("" if has_speculation(src) else " LIMIT 0")), {}
     raise ValueError(f"unknown derived fact {name!r}; facts: {', '.join(facts.DERIVED_FACTS)}")
 
 

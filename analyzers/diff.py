@@ -15,7 +15,8 @@ the sample sizes (requests; tokens for ITL).
 
 The confidence interval of delta is a percentile bootstrap: ``resamples`` times,
 each run's units are drawn with replacement (independently per run, one seeded
-generator) and the statistic recomputed; ci = the (1-confidence)/2 and
+generator, units in request and token order, so the same two runs give the same
+intervals) and the statistic recomputed; ci = the (1-confidence)/2 and
 (1+confidence)/2 quantiles of the resampled deltas. Stage means are ratio
 estimators over resampled requests (sum of stage time / number of tokens).
 p_value: two-sided, delta over the bootstrap standard error of delta (normal
@@ -41,11 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
 from analyzers.stage_breakdown import ROW_OF_STAGE, STAGE_LABELS, token_spans
 from analyzers.stats import holm, normal_p_value
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, token_times
-from tokentrace.schema import col
+from tokentrace.schema import Stage, col
 
 __all__ = ["diff", "DIFF_COLUMNS", "STATISTICS"]
 
@@ -69,30 +71,62 @@ def _samples(src: Source) -> _RunSamples:
     rf, tt = request_table(src), token_times(src)
     req = src.df(f"SELECT {c.REQUEST_ID}, {TTFT_NS} / 1e6 AS ttft, {TPOT_NS} / 1e6 AS tpot, {E2E_NS} / 1e6 AS e2e "
                  f"FROM {rf} WHERE {TTFT_NS} IS NOT NULL ORDER BY {c.REQUEST_ID}")
-    itl = src.df(f"SELECT {LATENCY} / 1e6 AS v FROM {tt} WHERE {c.TOKEN_INDEX} > 0")["v"].to_numpy(float)
-    per = src.df(f"""
-        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, {c.STAGE} AS stage, SUM(ns) / 1e6 AS ms
-        FROM {token_spans(src)} GROUP BY ALL
-    """)
+    itl = src.df(f"SELECT {LATENCY} / 1e6 AS v FROM {tt} WHERE {c.TOKEN_INDEX} > 0 "  # in a fixed order: the
+                 f"ORDER BY {c.REQUEST_ID}, {c.TOKEN_INDEX}")["v"].to_numpy(float)  # resamples draw by position
+    stage_ms = _request_stage_ms(src)
     tok = src.df(f"""SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, COUNT(*) AS n, SUM({LATENCY}) / 1e6 AS ms
                      FROM {tt} GROUP BY ALL""")
-    pos = pd.Series(np.arange(len(req)), index=req[c.REQUEST_ID].to_numpy())
+    ids = req[c.REQUEST_ID].to_numpy()  # ascending
     sums, counts = {}, {}
     for kind, first in (("ttft", True), ("itl", False)):
         s = np.zeros((len(req), len(STAGE_LABELS)))
         n = np.zeros(len(req))
-        p = per[(per["first"] == first) & per[c.REQUEST_ID].isin(pos.index)]
-        np.add.at(s, (pos[p[c.REQUEST_ID]].to_numpy(), ROW_OF_STAGE[p["stage"].to_numpy(int)]),
-                  p["ms"].to_numpy(float))
-        t = tok[(tok["first"] == first) & tok[c.REQUEST_ID].isin(pos.index)]
-        idx = pos[t[c.REQUEST_ID]].to_numpy()
-        n[idx] = t["n"].to_numpy(float)
+        placed: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # stages sharing rows
+        for stage, rid, is_first, ms in stage_ms:  # one value per (request, stage): added once into its cell
+            if (id(rid), id(is_first)) not in placed:
+                sel = is_first == first
+                placed[id(rid), id(is_first)] = (sel, *_positions(ids, rid[sel]))
+            sel, idx, found = placed[id(rid), id(is_first)]
+            s[idx, ROW_OF_STAGE[stage]] += ms[sel][found]
+        t = tok[tok["first"] == first]
+        idx, found = _positions(ids, t[c.REQUEST_ID].to_numpy())
+        n[idx] = t["n"].to_numpy(float)[found]
         lat = np.zeros(len(req))
-        lat[idx] = t["ms"].to_numpy(float)
+        lat[idx] = t["ms"].to_numpy(float)[found]
         s[:, -1] = lat - s[:, :-1].sum(axis=1)
         sums[kind], counts[kind] = s, n
     per_request = {k: req[k].to_numpy(float) for k in ("ttft", "tpot", "e2e")}
     return _RunSamples(per_request, itl, sums, counts)
+
+
+def _positions(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``values`` in the ascending unique ``ids``: (their positions, which values are there)."""
+    at = np.searchsorted(ids, values).clip(max=max(len(ids) - 1, 0))
+    found = (ids[at] == values) if len(ids) else np.zeros(len(values), dtype=bool)
+    return at[found], found
+
+
+def _request_stage_ms(src: Source) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per stage: (stage, request ids, whether the sum is of the first token, ms): each request's in-interval span
+    time of that stage over its first token and over the others. From the derived per-token stage sums when the
+    run has them (the same integers summed; 0 where a request has no span of the stage), else from every span
+    (:func:`token_spans`)."""
+    c = col
+    derived = facts.view(src, "token_stage_ns")
+    if derived is None:
+        per = src.df(f"""
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, {c.STAGE} AS stage, SUM(ns) / 1e6 AS ms
+            FROM {token_spans(src)} GROUP BY ALL
+        """)
+        stage = per["stage"].to_numpy(int)
+        return [(int(st), per[c.REQUEST_ID].to_numpy()[stage == st], per["first"].to_numpy(bool)[stage == st],
+                 per["ms"].to_numpy(float)[stage == st]) for st in np.unique(stage)]
+    columns = set(src.engine.columns(derived))
+    stages = [int(st) for st in Stage if facts.stage_column(st) in columns]
+    sums = "".join(f", SUM({facts.stage_column(st)}) / 1e6 AS ms_{st}" for st in stages)
+    wide = src.df(f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first{sums} FROM {derived} GROUP BY ALL")
+    rid, is_first = wide[c.REQUEST_ID].to_numpy(), wide["first"].to_numpy(bool)
+    return [(st, rid, is_first, wide[f"ms_{st}"].to_numpy(float)) for st in stages]
 
 
 def _stat(x: np.ndarray, q: float | None, axis: int = -1) -> np.ndarray:

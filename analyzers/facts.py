@@ -35,7 +35,14 @@ The facts, each named like the temporary table it stands for (:data:`DERIVED_FAC
   row of the request reported (:func:`analyzers.slo.reported_tokens_sql`);
 * ``token_groups``: every delivered token of a request with a first token, with its
   latency and its request's arrival, tenant, class and instance (what a grouped latency
-  table groups its ITL samples by; :func:`analyzers.latency.token_groups_sql`).
+  table groups its ITL samples by; :func:`analyzers.latency.token_groups_sql`);
+* ``spec_step_rows``: every ``spec_steps`` row with its proposals, accepted prefix, token
+  range, phase times, the tokens it emitted and its step time
+  (:func:`analyzers.spec_rows.spec_step_rows_sql`);
+* ``spec_decode_tokens``: every delivered decode token with its mode (speculative or plain),
+  whether it carries its step, its batch size and step time, and whether its step had
+  speculating requests (:func:`analyzers.spec_rows.decode_tokens_sql`); empty for a run that
+  never speculated (nothing reads it then).
 
 This module imports no analysis (so the source and every analysis may import it).
 """
@@ -53,7 +60,8 @@ __all__ = ["DERIVED_FACTS", "FORMAT_VERSION", "format_key", "attach", "derived_f
 
 DERIVED_FACTS: tuple[str, ...] = ("token_times", "token_steps", "request_facts", "token_stage_ns",
                                   "request_stage_ns", "request_compute_ns", "decode_token_steps",
-                                  "request_reported_tokens", "token_groups")
+                                  "request_reported_tokens", "token_groups", "spec_step_rows",
+                                  "spec_decode_tokens")
 """The facts :mod:`analyzers.derivation` writes, in the order it derives them."""
 
 FORMAT_VERSION = 1

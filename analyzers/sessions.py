@@ -122,6 +122,14 @@ def _turns_sql(src: Source) -> str:
     """
 
 
+def _turns(src: Source) -> str:
+    """Name of the temp table of :func:`_turns_sql`'s rows, built once per source (every session table reads it)."""
+    def build() -> str:
+        src.execute(f"CREATE OR REPLACE TEMP TABLE session_turn_facts AS {_turns_sql(src)}")
+        return "session_turn_facts"
+    return src.cached("session_turn_facts", build)
+
+
 def _before(tier: Tier) -> str:
     """SQL: hit blocks of the tiers searched before ``tier`` (a match fills the prompt's leading blocks from the
     device tier first only as far as each block is found there; the order across tiers is not recorded, so reused
@@ -134,7 +142,7 @@ def _before(tier: Tier) -> str:
 
 def session_turns(src: Source) -> pd.DataFrame:
     """One row per turn of every session, ordered by session and turn (columns: see the module doc)."""
-    return src.df(f"SELECT * FROM ({_turns_sql(src)}) t ORDER BY {col.SESSION}, {TURN}, {col.ARRIVAL_NS}")
+    return src.df(f"SELECT * FROM {_turns(src)} t ORDER BY {col.SESSION}, {TURN}, {col.ARRIVAL_NS}")
 
 
 def session_summary(src: Source) -> pd.DataFrame:
@@ -152,7 +160,7 @@ def session_summary(src: Source) -> pd.DataFrame:
                CASE WHEN SUM(carried_tokens) > 0 THEN SUM(reused_tokens) * 1.0 / SUM(carried_tokens) END
                    AS reuse_fraction,
                SUM(extra_prefill_ms) AS extra_prefill_ms, SUM(load_ms) AS load_ms
-        FROM ({_turns_sql(src)}) t
+        FROM {_turns(src)} t
         GROUP BY {c.SESSION} ORDER BY {c.SESSION}
     """)
 
@@ -162,7 +170,7 @@ def retention_summary(src: Source) -> pd.DataFrame:
     turn that reports carries, the reuse fraction, the extra prefill and load time, and the
     retention policy's own record (blocks pinned and for how long, blocks dropped). Empty without sessions."""
     c = col
-    turns = f"({_turns_sql(src)})"
+    turns = _turns(src)
     row = src.df(f"""
         SELECT COUNT(DISTINCT {c.SESSION}) AS num_sessions, COUNT(*) AS num_turns,
                COUNT(carried_tokens) AS num_measured_turns,
@@ -196,7 +204,7 @@ def session_fairness(src: Source) -> pd.DataFrame:
     per-request mean TTFT. A tenant whose sessions are long looks fine per request and slow per session."""
     c = col
     return src.df(f"""
-        WITH t AS ({_turns_sql(src)}),
+        WITH t AS (SELECT * FROM {_turns(src)}),
         s AS (
             SELECT {c.TENANT}, {c.SESSION}, SUM(ttft_ms) AS ttft_sum_ms, COUNT(*) AS n
             FROM t GROUP BY {c.TENANT}, {c.SESSION}

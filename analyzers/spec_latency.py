@@ -21,7 +21,6 @@ from analyzers.spec_rows import (
     token_rows_sql,
 )
 from analyzers.stats import holm, normal_p_value
-from analyzers.timing import token_steps, token_times
 
 __all__ = ["itl_by_mode", "by_batch_size", "plain_neighbours", "MIN_EFFECT_MS", "MIN_TOKENS", "BESIDE_SPEC",
            "NO_SPEC_IN_STEP"]
@@ -45,7 +44,7 @@ def _mode_stats(src: Source, *, by: str = "") -> pd.DataFrame:
     run once per source."""
     def build() -> pd.DataFrame:
         return src.df(f"""
-            WITH {token_rows_sql(token_times(src), token_steps(src))}, binned AS (
+            WITH {token_rows_sql(src)}, binned AS (
                 SELECT decode_tokens.*, {bin_sql('batch')} AS batch_size_hi FROM decode_tokens
             )
             SELECT mode, batch_size_hi, beside_spec, GROUPING(batch_size_hi) AS every_bin,

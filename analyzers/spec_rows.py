@@ -12,8 +12,9 @@ import math
 
 import pandas as pd
 
+from analyzers import facts
 from analyzers.source import Source
-from analyzers.timing import LATENCY
+from analyzers.timing import LATENCY, token_steps, token_times
 from tokentrace.schema import SPEC_STEPS, STEPS, col
 
 __all__ = ["SPECULATIVE", "PLAIN", "bin_sql", "bin_lo", "spec_rows_sql", "token_rows_sql", "has_speculation",
@@ -30,7 +31,7 @@ def bin_sql(expr: str) -> str:
     return f"CASE {cases} END"
 
 
-def spec_rows_sql(tt: str) -> str:
+def _spec_rows_ctes(tt: str) -> str:
     """CTEs ``spec`` (one row per spec_steps row with k, a, its token range and phase times) and ``spec_rows``
     (``spec`` with ``emitted`` and ``step_ns``); ``tt`` is the token facts table."""
     c = col
@@ -62,15 +63,51 @@ def spec_rows_sql(tt: str) -> str:
         )"""
 
 
-def token_rows_sql(tt: str, ts: str) -> str:
+def spec_step_rows_sql(src: Source) -> str:
+    """SELECT of the rows of :func:`spec_rows_sql`'s ``spec_rows``, from the run's tables (what
+    :mod:`analyzers.derivation` writes as the ``spec_step_rows`` fact)."""
+    return f"WITH {_spec_rows_ctes(token_times(src))} SELECT * FROM spec_rows"
+
+
+def spec_rows_sql(src: Source) -> str:
+    """CTE ``spec_rows``: one row per spec_steps row with k, a, its token range ``lo``..``hi``, ``draft_ns``,
+    ``verify_ns``, ``phases_ns``, ``batch``, ``emitted`` and ``step_ns``. Read from the run's derived
+    ``spec_step_rows`` fact when it has one, else built once per source as a temp table (every speculative figure
+    reads it; the join with the token facts is the costly part)."""
+    def build() -> str:
+        derived = facts.view(src, "spec_step_rows")
+        if derived is not None:
+            return derived
+        src.execute(f"CREATE OR REPLACE TEMP TABLE spec_step_rows AS {spec_step_rows_sql(src)}")
+        return "spec_step_rows"
+    return f"spec_rows AS (SELECT * FROM {src.cached('spec_step_rows', build)})"
+
+
+def decode_tokens_sql(src: Source) -> str:
+    """SELECT of the rows of :func:`token_rows_sql`'s ``decode_tokens``, from the run's tables (what
+    :mod:`analyzers.derivation` writes as the ``spec_decode_tokens`` fact)."""
+    return f"WITH {_token_rows_ctes(src)} SELECT * FROM decode_tokens"
+
+
+def token_rows_sql(src: Source) -> str:
     """CTEs of :func:`spec_rows_sql` plus ``decode_tokens``: one row per delivered decode token with its
     ``mode``, ``carrier`` (1 on the token that carries its step), ``batch``, ``step_ns`` (on carriers),
     ``step_known`` (1 when its step's time is known) and ``beside_spec`` (1 on a plain token whose engine step
-    had speculating requests: a mixed batch)."""
+    had speculating requests: a mixed batch). ``decode_tokens`` is read from the run's derived
+    ``spec_decode_tokens`` fact when it has one."""
+    derived = facts.view(src, "spec_decode_tokens")
+    if derived is not None:
+        return spec_rows_sql(src) + f", decode_tokens AS (SELECT * FROM {derived})"
+    return _token_rows_ctes(src)
+
+
+def _token_rows_ctes(src: Source) -> str:
+    """:func:`token_rows_sql`'s CTEs, from the run's tables."""
     c = col
+    tt, ts = token_times(src), token_steps(src)
     plain_step_ns = f"pst.{c.END_NS} - pst.{c.START_NS}"
-    return spec_rows_sql(tt) + f""", speculating_steps AS (
-            SELECT DISTINCT {c.INSTANCE_ID}, {c.STEP} FROM spec
+    return spec_rows_sql(src) + f""", speculating_steps AS (
+            SELECT DISTINCT {c.INSTANCE_ID}, {c.STEP} FROM spec_rows
         ), decode_tokens AS (
             SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat,
                    CASE WHEN sr.lo IS NULL THEN '{PLAIN}' ELSE '{SPECULATIVE}' END AS mode,

@@ -64,7 +64,6 @@ from analyzers.spec_rows import (
     ratio,
     spec_rows_sql,
 )
-from analyzers.timing import token_times
 from tokentrace.schema import SPEC_STEPS, DraftSource, Stage, col
 
 __all__ = ["SpecReport", "speculation", "acceptance", "acceptance_by_position", "accepted_per_step", "draft_cost",
@@ -86,7 +85,7 @@ def _proposal_counts(src: Source) -> pd.DataFrame:
     """Steps per (k, a, emitted) pair: the small table the position and histogram figures come from."""
     def build() -> pd.DataFrame:
         return src.df(f"""
-            WITH {spec_rows_sql(token_times(src))}
+            WITH {spec_rows_sql(src)}
             SELECT k, a, emitted, COUNT(*) AS num_steps FROM spec_rows GROUP BY k, a, emitted
         """)
     return src.cached("spec_proposal_counts", build)
@@ -153,7 +152,7 @@ def _per_request(src: Source) -> pd.DataFrame:
     def build() -> pd.DataFrame:
         c = col
         return src.df(f"""
-            WITH {spec_rows_sql(token_times(src))}, req AS (
+            WITH {spec_rows_sql(src)}, req AS (
                 SELECT {c.REQUEST_ID}, MAX({c.REQUEST_KEY}) AS {c.REQUEST_KEY}, MAX({c.TENANT}) AS {c.TENANT}
                 FROM srv_requests GROUP BY {c.REQUEST_ID}
             ), per_request AS (
@@ -184,7 +183,7 @@ def acceptance(src: Source, *, by: str | None = None) -> pd.DataFrame:
                 "tenant": {c.TENANT: "object"}, "batch_size": {"batch_size_lo": "int64", "batch_size_hi": "int64"},
                 col.DRAFT_SOURCE: {c.DRAFT_SOURCE: "object"}}.get(by or "", {})
         return _with_rates(empty_frame({**head, **{s: "int64" for s in sums}}))
-    rows_cte = spec_rows_sql(token_times(src))
+    rows_cte = spec_rows_sql(src)
     if by in ("request", "tenant"):
         df = _per_request(src)
         if by == "tenant":
@@ -227,7 +226,7 @@ def _totals(src: Source) -> pd.Series:
     def build() -> pd.Series:
         c = col
         return src.df(f"""
-            WITH {spec_rows_sql(token_times(src))}
+            WITH {spec_rows_sql(src)}
             SELECT COUNT(DISTINCT {c.REQUEST_ID}) AS num_requests, COUNT(*) AS num_steps, SUM(k) AS num_proposed,
                    SUM(a) AS num_accepted, SUM(emitted) AS num_emitted, MAX(k) AS max_proposed,
                    SUM(draft_ns) AS draft_ns, SUM(verify_ns) AS verify_ns,

@@ -1,13 +1,19 @@
 """Benchmark: first render of every dashboard view on a store of 1 M requests, in headless Chromium.
 
-1. Writes a synthetic run (``tests/dashboard/synthetic_store.py``: every table of
-   the schema, real store layout) of ``--requests`` requests with their tokens,
-   spans, steps and cache events.
-2. Derives the run's shared facts into ``<run>/_derived`` (``analyzers.derivation``:
+1. Writes a synthetic run ``bench`` (``tests/dashboard/synthetic_store.py``: every table of
+   the schema, real store layout) of ``--requests`` requests with their tokens, spans,
+   steps and cache events; 30% of its requests are turns of multi-turn sessions (session
+   names and turns, the retention policy's carry, retain and drop events) and its engine
+   speculates in about half of its time (``spec_steps`` rows, decode.draft and decode.verify
+   spans), so the Sessions and Speculative views draw a whole run. Beside it, a run
+   ``baseline`` a tenth of its size whose engine never speculates: what the Compare view
+   (``/compare?run=bench&base=baseline``) diffs ``bench`` against.
+2. Derives the runs' shared facts into ``<run>/_derived`` (``analyzers.derivation``:
    what the dashboard does before its first analysis of a finished run; timed and
    printed), builds the app and times, in-process, every analyzer call the views make
-   (cold: DuckDB over the Parquet files and the derived facts, nothing cached). This is
-   what ``tokentrace dashboard`` does in the background at start (``warm``).
+   (cold: DuckDB over the Parquet files and the derived facts, nothing cached) and the
+   diff of the two runs. This is what ``tokentrace dashboard`` does in the background at
+   start (``warm``; the diff is computed when Compare is first opened).
 3. Serves the app on 127.0.0.1 and loads each view once in a fresh headless
    Chromium, timing from navigation until every graph is drawn (first render,
    results served from the server-side cache).
@@ -18,6 +24,9 @@
    included, as the first person to open that view after ``tokentrace dashboard``
    started would see it (without the start-up warming). One browser, so Dash's and
    Plotly's scripts come from its HTTP cache, as they do when moving between views.
+
+Each view's render is checked: a view that drew no graph or showed an error is named
+(``did not draw``), since its time would not be that of the view.
 
 The last line is ``slowest_view_first_render_s=<s>``: the slowest view of step 3.
 The line above it is ``slowest_view_cold_render_s=<s>``: the slowest view of step 4.
@@ -44,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "dashboard"))
 
-from browser import visit  # noqa: E402
+from browser import graph_points, texts, visit  # noqa: E402
 from synthetic_store import write_run  # noqa: E402
 
 from analyzers.derivation import derive  # noqa: E402
@@ -54,7 +63,10 @@ from dashboard.data import DataSource, warm_calls  # noqa: E402
 from tokentrace.schema import col  # noqa: E402
 from tokentrace.store.reader import open_run  # noqa: E402
 
-VIEWS = ("/", "/capacity", "/breakdown", "/explorer", "/queues", "/cache", "/pd-ratio", "/batch", "/tenants")
+VIEWS = ("/", "/capacity", "/breakdown", "/explorer", "/queues", "/cache", "/pd-ratio", "/batch", "/tenants",
+         "/sessions", "/speculative", "/compare")
+BASELINE = "baseline"  # the run /compare diffs the benchmark's run against
+SESSION_SHARE = 0.3  # of the requests: turns of multi-turn sessions
 TARGET_S = 3.0
 
 
@@ -104,10 +116,25 @@ def _browse(url: str, paths: list[str], work: Path, tag: str, *, fresh: bool,
             if before_each is not None:
                 before_each()
             times[path] = visit(driver, url + path, timeout_s=900)
+            problem = _not_drawn(driver)
+            if problem:
+                print(f"  {tag}: {path} did not draw ({problem}): its time is not that of the view")
     finally:
         if driver is not None:
             driver.quit()
     return times
+
+
+def _not_drawn(driver) -> str:
+    """What is wrong with the view just rendered ('' when it drew every graph and shows no error)."""
+    errors = texts(driver, ".tt-error")
+    if errors:
+        return "error: " + errors[0][:120]
+    points = graph_points(driver)
+    if not points:
+        return "no graph: " + " ".join(texts(driver, ".tt-notice"))[:120]
+    empty = [g for g, n in points.items() if n <= 0]
+    return f"empty graphs: {', '.join(empty)}" if empty else ""
 
 
 def _show(title: str, times: dict[str, float]) -> None:
@@ -123,6 +150,9 @@ def _time_analyzers(app, run_id: str) -> dict[str, float]:
         t = time.perf_counter()
         src.compute(run_id, method, **kwargs)
         out[f"{method}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"] = time.perf_counter() - t
+    t = time.perf_counter()
+    src.diff(run_id, BASELINE)
+    out[f"diff(baseline={BASELINE})"] = time.perf_counter() - t
     return out
 
 
@@ -138,20 +168,29 @@ def main() -> None:
     store = args.store or work / "store"
     try:
         t = time.perf_counter()
-        if (store / "bench").is_dir():
+        if (store / "bench").is_dir() and (store / BASELINE).is_dir():
             print(f"reusing the store at {store}")
+        elif (store / "bench").is_dir():
+            raise SystemExit(f"{store} holds a run 'bench' of an older version of this benchmark (without sessions, "
+                             f"speculation or a run to compare with): remove it or name another --store")
         else:
-            write_run(store, "bench", num_requests=args.requests, mean_output_tokens=args.tokens, rate_rps=500.0)
+            write_run(store, BASELINE, num_requests=max(1, args.requests // 10), mean_output_tokens=args.tokens,
+                      rate_rps=500.0, seed=1, sessions=SESSION_SHARE)
+            write_run(store, "bench", num_requests=args.requests, mean_output_tokens=args.tokens, rate_rps=500.0,
+                      sessions=SESSION_SHARE, speculative=True)
         gen_s = time.perf_counter() - t
         info = DataSource(store).info("bench")
         print(f"store: {info.tables['requests']:,} request rows, rows per table {info.tables}, ready in {gen_s:.1f} s")
         first = open_run(store, "bench").table("requests", columns=[col.REQUEST_ID]).slice(0, 1)
         request = str(first.column(0)[0].as_py())  # the first request written
-        paths = [p + "?run=bench" for p in VIEWS] + [f"/explorer?run=bench&request={request}"]
+        paths = ([p + ("?run=bench" if p != "/compare" else f"?run=bench&base={BASELINE}") for p in VIEWS]
+                 + [f"/explorer?run=bench&request={request}"])
 
         t = time.perf_counter()
-        written = derive(open_run(store, "bench"))  # what the dashboard does before a finished run's first analysis
-        print(f"derived facts ({', '.join(written) or 'already current'}) in {time.perf_counter() - t:.1f} s")
+        written = {r: derive(open_run(store, r)) for r in ("bench", BASELINE)}  # as the dashboard does before a
+        # finished run's first analysis
+        print(f"derived facts ({'; '.join(f'{r}: ' + (', '.join(w) or 'already current') for r, w in written.items())})"
+              f" in {time.perf_counter() - t:.1f} s")
         app = create_app(store)
         analyzer_s = _time_analyzers(app, "bench")
         print("analyzer calls, cold (s):")

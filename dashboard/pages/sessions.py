@@ -26,6 +26,9 @@ _SESSION_COLUMNS = [col.SESSION, col.TENANT, "num_turns", "ttft_sum_ms", "genera
 _TURN_COLUMNS = [col.SESSION, "turn", "think_ms", "ttft_ms", col.NUM_PROMPT_TOKENS, "carried_tokens",
                  "reused_tokens", "lost_tokens", "extra_prefill_ms", "load_ms"]
 MAX_SESSIONS_DRAWN = 40  # the per-session chart keeps the sessions with the longest TTFT sums
+MAX_LISTED_SESSIONS = 1000  # the session table lists the sessions with the longest TTFT sums (the browser gets
+# every listed row)
+MAX_LISTED_TURN_SESSIONS = 200  # the turn table lists the turns of this many of them
 
 
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
@@ -51,13 +54,35 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
         "No session has a finished turn.")
     fairness = (table(rep.fairness, "sessions-fairness") if len(rep.fairness)
                 else notice("No tenant has a session with a first token."))
+    listed = _longest(rep.sessions, MAX_LISTED_SESSIONS)
+    turn_sessions = _longest(rep.sessions, MAX_LISTED_TURN_SESSIONS)[col.SESSION]
+    turns = rep.turns if len(turn_sessions) == len(rep.sessions) else rep.turns[
+        rep.turns[col.SESSION].isin(turn_sessions)]
     return [sentences,
             explained("Cross-turn reuse", EXPLAIN["session_reuse"], reuse),
             explained("Session latency", EXPLAIN["session_time"], time_split),
-            explained("Sessions", EXPLAIN["session_table"],
-                      table(rep.sessions[_SESSION_COLUMNS], "sessions-table", highlight=None)),
-            explained("Turns", EXPLAIN["session_turns"], table(rep.turns[_TURN_COLUMNS], "sessions-turns")),
+            explained("Sessions", EXPLAIN["session_table"], *_listed_note(len(listed), len(rep.sessions), "The {n} sessions"),
+                      table(listed[_SESSION_COLUMNS], "sessions-table", highlight=None)),
+            explained("Turns", EXPLAIN["session_turns"],
+                      *_listed_note(len(turn_sessions), len(rep.sessions), "The turns of the {n} sessions"),
+                      table(turns[_TURN_COLUMNS], "sessions-turns")),
             explained("Fairness per session", EXPLAIN["session_fairness"], fairness)]
+
+
+def _longest(sessions: Any, limit: int) -> Any:
+    """The ``limit`` sessions with the longest TTFT sums, in the analysis's order (all when there are no more)."""
+    if len(sessions) <= limit:
+        return sessions
+    return sessions.loc[sessions["ttft_sum_ms"].nlargest(limit, keep="first").index.sort_values()]
+
+
+def _listed_note(listed: int, total: int, what: str) -> list[Any]:
+    """A line saying that only part of the rows is listed (nothing when every row is); ``what`` names the listed
+    rows, ``{n}`` standing for the number of sessions they come from."""
+    if listed >= total:
+        return []
+    return [html.P(f"{what.format(n=f'{listed:,}')} with the longest TTFT sums are listed, of {total:,} sessions.",
+                   className="tt-explain")]
 
 
 def controls(src: DataSource, q: ViewQuery) -> list[Any]:

@@ -197,3 +197,33 @@ def test_the_engine_draws_no_progress_bar_of_its_own(runs: dict[str, Path], tmp_
     shutil.copytree(runs["offsets"], tmp_path / "offsets")
     src = RunAnalysis(open_run(tmp_path, "offsets")).source
     assert src.scalar("SELECT current_setting('enable_progress_bar')") is False
+
+
+def test_sessions_speculation_and_diff_are_the_same_from_the_derived_facts(tmp_path: Path) -> None:
+    """On synthetic runs with multi-turn sessions and speculative steps (their facts: spec_step_rows,
+    spec_decode_tokens), and a diff against a run without either, computed twice (its bootstrap draws from
+    the samples in one order, whatever order the engine returns rows in)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dashboard"))
+    from synthetic_store import write_run
+
+    write_run(tmp_path, "plain", num_requests=300, mean_output_tokens=4.0, rate_rps=500.0)
+    write_run(tmp_path, "both", num_requests=3000, mean_output_tokens=4.0, rate_rps=500.0, sessions=0.3,
+              speculative=True)
+    plain = {r: RunAnalysis(open_run(tmp_path, r)) for r in ("plain", "both")}
+    assert facts.derived_file(plain["both"].source, "spec_step_rows") is None
+    again = RunAnalysis(open_run(tmp_path, "both")).diff(RunAnalysis(open_run(tmp_path, "plain")))
+    from_parts = {"sessions": plain["both"].sessions(), "speculation": plain["both"].speculation(),
+                  "diff": plain["both"].diff(plain["plain"])}
+    for run_id in ("plain", "both"):
+        assert derive(open_run(tmp_path, run_id)) == list(facts.DERIVED_FACTS)
+    derived = {r: RunAnalysis(open_run(tmp_path, r)) for r in ("plain", "both")}
+    assert facts.derived_file(derived["both"].source, "spec_decode_tokens") is not None
+    from_facts = {"sessions": derived["both"].sessions(), "speculation": derived["both"].speculation(),
+                  "diff": derived["both"].diff(derived["plain"])}
+    _assert_same(from_parts["diff"], again, "diff, computed twice")
+    for key, value in from_parts.items():
+        _assert_same(value, from_facts[key], key)
+    assert not from_facts["sessions"].empty and not from_facts["speculation"].is_empty
+    assert from_facts["diff"]["significant"].any()  # speculation and sessions moved ITL and TTFT
