@@ -20,6 +20,7 @@ from typing import Any
 from analyzers import facts
 from analyzers.attribution import token_coverage
 from analyzers.batch import decode_token_steps_sql
+from analyzers.diff import bootstrap_fact
 from analyzers.latency import token_groups_sql
 from analyzers.slo import reported_tokens_sql
 from analyzers.source import Source
@@ -92,6 +93,8 @@ def _fact(src: Source, name: str) -> tuple[Any, dict[str, str]]:
         return _rows(src, reported_tokens_sql()), {}
     if name == "token_groups":
         return _rows(src, token_groups_sql(src)), {}
+    if name == "run_bootstrap":
+        return bootstrap_fact(src)
     if name == "spec_step_rows":
         return _rows(src, spec_step_rows_sql(src)), {}
     if name == "spec_decode_tokens":  # read only when the run speculated: otherwise its columns alone

@@ -14,10 +14,14 @@ it is NaN there and only the absolute change counts. n_baseline / n_candidate:
 the sample sizes (requests; tokens for ITL).
 
 The confidence interval of delta is a percentile bootstrap: ``resamples`` times,
-each run's units are drawn with replacement (independently per run, one seeded
-generator, units in request and token order, so the same two runs give the same
-intervals) and the statistic recomputed; ci = the (1-confidence)/2 and
-(1+confidence)/2 quantiles of the resampled deltas. Stage means are ratio
+each run's units are drawn with replacement and the statistic recomputed; ci = the
+(1-confidence)/2 and (1+confidence)/2 quantiles of the resampled deltas. Each run is
+resampled on its own seeded stream, one per role (baseline, candidate), in request
+and token order: the two runs independently of each other, the same two runs to the
+same intervals, and one run's side (:func:`run_bootstrap`) the same whatever it is
+compared with. So a finished run's side is computed once, when its analysis facts are
+saved (``run_bootstrap`` in ``<run>/_derived``), and a comparison of two such runs
+only reads them. Stage means are ratio
 estimators over resampled requests (sum of stage time / number of tokens).
 p_value: two-sided, delta over the bootstrap standard error of delta (normal
 approximation); p_adjusted: Holm's correction over every row of the table, so
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from analyzers import facts
 from analyzers.source import Source
@@ -49,7 +55,8 @@ from analyzers.stats import holm, normal_p_value
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, token_times
 from tokentrace.schema import Stage, col
 
-__all__ = ["diff", "DIFF_COLUMNS", "STATISTICS"]
+__all__ = ["diff", "run_bootstrap", "bootstrap_fact", "DIFF_COLUMNS", "STATISTICS", "BOOTSTRAP_COLUMNS", "ROLES",
+           "BOOTSTRAP_FACT"]
 
 STATISTICS: dict[str, float | None] = {"mean": None, "p50": 50.0, "p90": 90.0, "p99": 99.0}
 DIFF_COLUMNS = ["metric", "statistic", "n_baseline", "n_candidate", "baseline", "candidate", "delta",
@@ -133,11 +140,35 @@ def _stat(x: np.ndarray, q: float | None, axis: int = -1) -> np.ndarray:
     return x.mean(axis=axis) if q is None else np.percentile(x, q, axis=axis)
 
 
-def _boot_values(x: np.ndarray, q: float | None, rng: np.random.Generator, resamples: int) -> np.ndarray:
-    out = np.empty(resamples)
+def _counts(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(k, n): how often each of n units is drawn in each of k resamples of n draws with replacement."""
+    drawn = rng.integers(0, n, size=(k, n)) + (np.arange(k) * n)[:, None]
+    return np.bincount(drawn.ravel(), minlength=k * n).reshape(k, n)
+
+
+def _boot_statistics(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """(statistics, resamples): every statistic of :data:`STATISTICS` of each resample of ``x``, the statistics of
+    one resample from the same draws. A resample is counted, not gathered: a unit's count in it, over the sorted
+    values, gives its mean and, through the running counts, the order statistics its percentiles interpolate
+    between (as ``np.percentile``'s linear rule) without sorting it."""
+    xs = np.sort(x)
+    n = xs.size
+    out = np.empty((len(STATISTICS), resamples))
     for lo in range(0, resamples, _CHUNK):
         k = min(_CHUNK, resamples - lo)
-        out[lo:lo + k] = _stat(x[rng.integers(0, x.size, size=(k, x.size))], q, axis=1)
+        w = _counts(n, k, rng)
+        running = (np.cumsum(w, axis=1) + (np.arange(k) * n)[:, None]).ravel()  # ascending over all k rows
+        base = np.arange(k) * n
+        for i, q in enumerate(STATISTICS.values()):
+            if q is None:
+                out[i, lo:lo + k] = (w @ xs) / n
+                continue
+            h = (n - 1) * q / 100
+            j = int(math.floor(h))
+            # the j-th order statistic of row r is the first sorted unit whose running count exceeds j
+            low = xs[np.searchsorted(running, base + j, side="right") - base]
+            high = xs[np.searchsorted(running, base + min(j + 1, n - 1), side="right") - base]
+            out[i, lo:lo + k] = low + (h - j) * (high - low)
     return out
 
 
@@ -146,7 +177,7 @@ def _boot_ratio(s: np.ndarray, n: np.ndarray, rng: np.random.Generator, resample
     out = np.empty((resamples, s.shape[1]))
     for lo in range(0, resamples, _CHUNK):
         k = min(_CHUNK, resamples - lo)
-        w = rng.multinomial(s.shape[0], np.full(s.shape[0], 1 / s.shape[0]), size=k)  # (k, rows)
+        w = _counts(s.shape[0], k, rng)  # (k, rows)
         with np.errstate(invalid="ignore", divide="ignore"):
             out[lo:lo + k] = (w @ s) / (w @ n)[:, None]
     return out
@@ -194,6 +225,75 @@ def _judge(df: pd.DataFrame, *, confidence: float, min_effect: float, min_effect
     return df
 
 
+BOOTSTRAP_COLUMNS = ["metric", "statistic", "n", "value", "draws"]
+ROLES = ("baseline", "candidate")
+"""A run's resamples are drawn from a stream of its role: a run compared with another (or with itself) is
+resampled independently of it, and its draws as baseline are the same whatever it is compared with."""
+BOOTSTRAP_FACT = "run_bootstrap"
+
+
+def run_bootstrap(src: Source, role: str, *, resamples: int = 1000, seed: int = 0,
+                  max_units: int = 20_000) -> pd.DataFrame:
+    """One run's side of :func:`diff`, as ``role`` (``"baseline"`` or ``"candidate"``): one row per metric and
+    statistic it has samples of, with its sample size (``n``), ``value`` and the statistic of each of
+    ``resamples`` resamples (``draws``). The run's derived facts keep both roles' rows for the default
+    parameters (:data:`BOOTSTRAP_FACT`): then only they are read."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    saved = facts.derived_file(src, BOOTSTRAP_FACT)
+    if saved is not None and saved.extra.get("parameters") == _parameters(resamples, seed, max_units):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(saved.path)
+        frame = table.filter(pc.field("role") == role).select(BOOTSTRAP_COLUMNS).to_pandas()
+        frame["draws"] = [np.asarray(d, float) for d in frame["draws"]]
+        return frame
+    return _bootstrap(_samples(src), role, resamples=resamples, seed=seed, max_units=max_units)
+
+
+def bootstrap_fact(src: Source) -> tuple[pa.Table, dict[str, str]]:
+    """The rows of :data:`BOOTSTRAP_FACT` (both roles, default parameters) and the metadata that names them."""
+    samples = _samples(src)
+    frames = [_bootstrap(samples, role).assign(role=role) for role in ROLES]
+    frame = pd.concat(frames, ignore_index=True)
+    table = pa.table({"role": frame["role"].tolist(), "metric": frame["metric"].tolist(),
+                      "statistic": frame["statistic"].tolist(), "n": pa.array(frame["n"], pa.int64()),
+                      "value": pa.array(frame["value"], pa.float64()),
+                      "draws": pa.array([np.asarray(d, float) for d in frame["draws"]], pa.list_(pa.float64()))})
+    return table, {"parameters": _parameters(1000, 0, 20_000)}
+
+
+def _parameters(resamples: int, seed: int, max_units: int) -> str:
+    return f"resamples={int(resamples)},seed={int(seed)},max_units={int(max_units)}"
+
+
+def _bootstrap(samples: _RunSamples, role: str, *, resamples: int = 1000, seed: int = 0,
+               max_units: int = 20_000) -> pd.DataFrame:
+    rng = np.random.default_rng([int(seed), ROLES.index(role)])
+    rows = []
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        x = samples.itl if metric == "itl" else samples.per_request[metric]
+        x = x[np.isfinite(x)]
+        if not x.size:
+            continue
+        x = _cap(x, max_units, rng)
+        draws = _boot_statistics(x, rng, resamples)
+        for i, (name, q) in enumerate(STATISTICS.items()):
+            rows.append((metric, name, int(x.size), float(_stat(x, q)), draws[i]))
+    for kind in ("ttft", "itl"):
+        s, n = samples.stage_sum[kind], samples.stage_count[kind]
+        if n.sum() <= 0:
+            continue
+        keep = _cap(np.arange(len(n)), max_units, rng)
+        s, n = s[keep], n[keep]
+        draws = _boot_ratio(s, n, rng, resamples)
+        value = s.sum(axis=0) / n.sum()
+        size = int((n > 0).sum())
+        for j, label in enumerate(STAGE_LABELS):
+            rows.append((f"stage.{label}.{kind}", "mean", size, float(value[j]), draws[:, j]))
+    return pd.DataFrame(rows, columns=BOOTSTRAP_COLUMNS)
+
+
 def diff(baseline: Source, candidate: Source, *, resamples: int = 1000, seed: int = 0, min_effect: float = 0.02,
          min_effect_ms: float = 0.1, confidence: float = 0.95, max_units: int = 20_000) -> pd.DataFrame:
     """Per metric and stage: sample sizes, values, delta, rel_change, bootstrap CI, p-values, significance,
@@ -208,32 +308,15 @@ def diff(baseline: Source, candidate: Source, *, resamples: int = 1000, seed: in
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
     if min_effect < 0 or min_effect_ms < 0 or max_units < 2:
         raise ValueError("min_effect and min_effect_ms must be >= 0 and max_units >= 2")
-    rng = np.random.default_rng(seed)
-    b, c = _samples(baseline), _samples(candidate)
+    b = run_bootstrap(baseline, "baseline", resamples=resamples, seed=seed, max_units=max_units)
+    c = {(m, st): (n, v, d) for m, st, n, v, d in run_bootstrap(candidate, "candidate", resamples=resamples,
+                                                                 seed=seed, max_units=max_units).itertuples(index=False)}
     rows = []
-    series = [(m, b.per_request[m], c.per_request[m]) for m in ("ttft", "tpot")]
-    series += [("itl", b.itl, c.itl), ("e2e", b.per_request["e2e"], c.per_request["e2e"])]
-    for metric, xb, xc in series:
-        xb, xc = xb[np.isfinite(xb)], xc[np.isfinite(xc)]
-        if not xb.size or not xc.size:
-            continue
-        xb, xc = _cap(xb, max_units, rng), _cap(xc, max_units, rng)
-        for name, q in STATISTICS.items():
-            rows.append(_row(metric, name, (xb.size, xc.size), float(_stat(xb, q)), float(_stat(xc, q)),
-                             _boot_values(xb, q, rng, resamples), _boot_values(xc, q, rng, resamples), confidence))
-    for kind in ("ttft", "itl"):
-        sb, nb, sc, nc = b.stage_sum[kind], b.stage_count[kind], c.stage_sum[kind], c.stage_count[kind]
-        if nb.sum() <= 0 or nc.sum() <= 0:
-            continue
-        keep_b = _cap(np.arange(len(nb)), max_units, rng)
-        keep_c = _cap(np.arange(len(nc)), max_units, rng)
-        sb, nb, sc, nc = sb[keep_b], nb[keep_b], sc[keep_c], nc[keep_c]
-        bb, cb = _boot_ratio(sb, nb, rng, resamples), _boot_ratio(sc, nc, rng, resamples)
-        vb, vc = sb.sum(axis=0) / nb.sum(), sc.sum(axis=0) / nc.sum()
-        sizes = (int((nb > 0).sum()), int((nc > 0).sum()))
-        for j, label in enumerate(STAGE_LABELS):
-            rows.append(_row(f"stage.{label}.{kind}", "mean", sizes, float(vb[j]), float(vc[j]), bb[:, j], cb[:, j],
-                             confidence))
+    for metric, statistic, nb, vb, db in b.itertuples(index=False):
+        if (metric, statistic) in c:
+            nc, vc, dc = c[metric, statistic]
+            rows.append(_row(metric, statistic, (int(nb), int(nc)), float(vb), float(vc), np.asarray(db, float),
+                             np.asarray(dc, float), confidence))
     df = pd.DataFrame(rows, columns=[k for k in DIFF_COLUMNS if k not in ("p_adjusted", "contribution", "significant",
                                                                         "regression", "rank")])
     if df.empty:

@@ -43,6 +43,9 @@ The facts, each named like the temporary table it stands for (:data:`DERIVED_FAC
   whether it carries its step, its batch size and step time, and whether its step had
   speculating requests (:func:`analyzers.spec_rows.decode_tokens_sql`); empty for a run that
   never speculated (nothing reads it then).
+* ``run_bootstrap``: the run's side of a comparison of two runs, as baseline and as candidate: per
+  metric and statistic its sample size, value and 1,000 resampled values
+  (:func:`analyzers.diff.run_bootstrap` with its default parameters, kept in the file's metadata).
 
 This module imports no analysis (so the source and every analysis may import it).
 """
@@ -61,7 +64,7 @@ __all__ = ["DERIVED_FACTS", "FORMAT_VERSION", "format_key", "attach", "derived_f
 DERIVED_FACTS: tuple[str, ...] = ("token_times", "token_steps", "request_facts", "token_stage_ns",
                                   "request_stage_ns", "request_compute_ns", "decode_token_steps",
                                   "request_reported_tokens", "token_groups", "spec_step_rows",
-                                  "spec_decode_tokens")
+                                  "spec_decode_tokens", "run_bootstrap")
 """The facts :mod:`analyzers.derivation` writes, in the order it derives them."""
 
 FORMAT_VERSION = 1

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzers.diff import DIFF_COLUMNS, diff
+from analyzers.diff import _CHUNK, DIFF_COLUMNS, STATISTICS, _boot_statistics, _counts, diff, run_bootstrap
 from tokentrace.schema import Stage
 
 
@@ -85,3 +86,34 @@ def test_a_run_against_itself_flags_nothing(make_store, itls):
     assert not df["significant"].any()
     assert not df["regression"].any()
     assert (df["delta"] == 0).all()
+
+
+def test_resampled_percentiles_are_those_of_the_drawn_resample():
+    # Each resample is counted, not gathered: its statistics must be numpy's of the values it draws.
+    x = np.random.default_rng(5).lognormal(size=301)
+    x[::7] = x[3]  # ties
+    got = _boot_statistics(x, np.random.default_rng(1), 60)
+    rng, xs = np.random.default_rng(1), np.sort(x)
+    for lo in range(0, 60, _CHUNK):
+        counts = _counts(xs.size, min(_CHUNK, 60 - lo), rng)
+        for r, w in enumerate(counts):
+            drawn = np.repeat(xs, w)
+            want = [drawn.mean() if q is None else np.percentile(drawn, q) for q in STATISTICS.values()]
+            assert got[:, lo + r] == pytest.approx(want, rel=1e-12)
+
+
+def test_each_run_is_resampled_on_its_own_stream(make_store):
+    a = _run(make_store, 10.0)
+    as_baseline, as_candidate = run_bootstrap(a, "baseline", resamples=50), run_bootstrap(a, "candidate", resamples=50)
+    assert list(as_baseline["value"]) == list(as_candidate["value"])
+    itl = (as_baseline["metric"] == "itl") & (as_baseline["statistic"] == "mean")
+    assert not np.array_equal(as_baseline[itl]["draws"].iloc[0], as_candidate[itl]["draws"].iloc[0])
+    # a run against itself: delta 0, and an interval from two independent resamplings, not a point
+    row = _row(diff(a, a, resamples=50), "itl")
+    assert row["delta"] == 0 and row["ci_low"] < 0 < row["ci_high"]
+    # the baseline's side does not depend on the candidate it is compared with
+    with_b = diff(a, _run(make_store, 12.0), resamples=50)
+    with_c = diff(a, _run(make_store, 30.0), resamples=50)
+    assert list(with_b["baseline"]) == list(with_c["baseline"])
+    with pytest.raises(ValueError):
+        run_bootstrap(a, "control")
