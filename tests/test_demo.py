@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -313,8 +314,10 @@ def _free_port() -> int:
 def test_the_dashboard_step_serves_the_store_until_ctrl_c(tmp_path):
     """Step 6 on the committed real run: the page answers on 127.0.0.1, Ctrl-C ends it cleanly."""
     port = _free_port()
+    store = tmp_path / "real_run"  # a copy: serving a finished run saves its analysis facts next to it
+    shutil.copytree(DATA / "real_run", store)
     code = ("from pathlib import Path; from rich.console import Console; from tokentrace.demo import serve_dashboard; "
-            f"serve_dashboard(Path({str(DATA / 'real_run')!r}), port={port}, console=Console())")
+            f"serve_dashboard(Path({str(store)!r}), port={port}, console=Console())")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=_default_sigint)
     try:
