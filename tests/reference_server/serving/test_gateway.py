@@ -240,9 +240,12 @@ def _device_blocks_free(backend: LocalBackend) -> bool:
 
 @pytest.fixture()
 def slow_served(tenants_file: Path) -> Iterator[tuple[ServerThread, LocalBackend, RecordingGatewayObserver]]:
-    """Like ``served``, with a planted 5 ms per decode step: a 400-token answer takes at least 2 s,
-    so it cannot finish while a client on a busy machine is still reading its first tokens."""
-    yield from _serve(tenants_file, DelayConfig.parse("decode_step=5ms"))
+    """Like ``served``, with a planted 25 ms per decode step: a 400-token answer takes at least 10 s,
+    so it cannot finish while a client on a busy machine is still reading its first tokens (at 5 ms,
+    2 s, a client starved of the CPU by other processes read its third chunk after the engine had
+    finished and freed the request's blocks). The test leaves after three chunks, so it pays for
+    about three steps per request."""
+    yield from _serve(tenants_file, DelayConfig.parse("decode_step=25ms"))
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(
