@@ -170,11 +170,11 @@ def _runs_curve(src: DataSource, rid: str) -> Any:
     rows = []
     for info in infos:
         try:
-            load = src.result(info.run_id, "load").row
+            offered = src.capacity(info.run_id, "offered_load").iloc[0]["offered_rps"]  # not the whole load analysis
             pct = src.capacity(info.run_id, "percentiles").set_index("metric")
         except (ValueError, KeyError):
             continue
-        row = {"run": info.run_id, "offered_rps": load.get("offered_rps"), "shown": info.run_id == rid}
+        row = {"run": info.run_id, "offered_rps": offered, "shown": info.run_id == rid}
         for metric in ("ttft", "itl"):
             for p in ("p50", "p95", "p99"):
                 row[f"{metric}_{p}_ms"] = pct.loc[metric, f"{p}_ms"] if metric in pct.index else math.nan
