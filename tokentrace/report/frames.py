@@ -16,7 +16,15 @@ import pandas as pd
 
 from tokentrace.report.render_names import is_percent_column
 
-__all__ = ["format_cell", "frame_cells"]
+__all__ = ["as_float", "format_cell", "frame_cells"]
+
+
+def as_float(value: Any) -> float:
+    """``value`` as a float; NaN for what is not a number (None, text, a missing cell)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def format_cell(value: Any, column: str = "") -> str:

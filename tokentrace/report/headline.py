@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from tokentrace.report.frames import as_float
 from tokentrace.schema import col
 
 __all__ = ["load_sentence", "advice_sentence", "attribution_sentence", "slo_not_measured", "failed_sentence",
@@ -24,16 +25,8 @@ ALL_CLASSES_ROW = "*"  # the analyzers' row for every SLO class together
 ATTRIBUTION_TARGET = 0.01  # the attribution invariant: |unattributed| and overlap each under 1% of token latency
 
 
-def _num(value: Any) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return math.nan
-    return v
-
-
 def _rate(value: Any) -> str:
-    v = _num(value)
+    v = as_float(value)
     return f"{v:.2f} req/s" if math.isfinite(v) else "unknown"
 
 
@@ -55,9 +48,9 @@ def _stage_row(stages: pd.DataFrame | None, stage: str | None, role: str | None)
 def load_sentence(row: Mapping[str, Any], pools: pd.DataFrame | None = None,
                   stages: pd.DataFrame | None = None) -> str:
     """The load verdict in one or two sentences (``row``: ``analyzers.load.LoadReport.row``)."""
-    count = _num(row.get("num_requests"))
+    count = as_float(row.get("num_requests"))
     n = int(count) if math.isfinite(count) else 0
-    window = _num(row.get("arrival_window_s"))
+    window = as_float(row.get("arrival_window_s"))
     rates = (f"offered {_rate(row.get('offered_rps'))} over the {window:.1f} s arrival window, "
              f"served {_rate(row.get('served_rps'))}") if math.isfinite(window) else ""
     saturated = row.get("saturated")
@@ -71,21 +64,21 @@ def load_sentence(row: Mapping[str, Any], pools: pd.DataFrame | None = None,
         busiest = ""
         if pools is not None and len(pools):
             top = pools.sort_values("utilisation", ascending=False).iloc[0]
-            busiest = f"; busiest pool: {top['role']}, {_num(top['utilisation']) * 100:.0f}% busy"
+            busiest = f"; busiest pool: {top['role']}, {as_float(top['utilisation']) * 100:.0f}% busy"
         return f"Not saturated: {rates}{busiest}."
-    ratio = _num(row.get("load_ratio"))
+    ratio = as_float(row.get("load_ratio"))
     text = f"SATURATED: arrivals outran service, {rates}" + (f" ({ratio:.1f}x)." if math.isfinite(ratio) else ".")
     pool = row.get("saturated_pool")
     if pool:
         text += f" The {pool} pool saturates"
         p = _pool_row(pools, pool)
         if p is not None:
-            text += (f": {_num(p['utilisation']) * 100:.0f}% busy, requests in it grew from "
-                     f"{_num(p['in_system_early']):.1f} to {_num(p['in_system_late']):.1f}")
+            text += (f": {as_float(p['utilisation']) * 100:.0f}% busy, requests in it grew from "
+                     f"{as_float(p['in_system_early']):.1f} to {as_float(p['in_system_late']):.1f}")
         s = _stage_row(stages, row.get("saturated_stage"), pool)
         if s is not None:
-            text += (f"; {s['stage']} time per request grew from {_num(s['early_ms']):,.0f} to "
-                     f"{_num(s['late_ms']):,.0f} ms through the run")
+            text += (f"; {s['stage']} time per request grew from {as_float(s['early_ms']):,.0f} to "
+                     f"{as_float(s['late_ms']):,.0f} ms through the run")
         text += "."
     else:
         text += " Which pool saturates is unknown (no steps or spans show a growing queue)."
@@ -98,27 +91,27 @@ def advice_sentence(advice: pd.DataFrame, demand: pd.DataFrame | None = None) ->
         return "No instance advice: the run has no engine steps to measure capacity on."
     d = demand.iloc[0].to_dict() if demand is not None and len(demand) else {}
     head = f"Instances for the offered {_rate(d.get('arrival_rate_rps'))}"
-    targets = [f"{name} {_num(d.get(key)):g} ms" for name, key in (("TTFT", "ttft_target_ms"), ("TPOT", "tpot_target_ms"))
-               if math.isfinite(_num(d.get(key)))]
-    headroom = _num(d.get("headroom"))
+    targets = [f"{name} {as_float(d.get(key)):g} ms" for name, key in (("TTFT", "ttft_target_ms"), ("TPOT", "tpot_target_ms"))
+               if math.isfinite(as_float(d.get(key)))]
+    headroom = as_float(d.get("headroom"))
     conditions = (["SLO " + ", ".join(targets)] if targets else []) + (
         [f"at most {(1 - headroom) * 100:.0f}% busy"] if math.isfinite(headroom) else [])
     if conditions:
         head += f" ({'; '.join(conditions)})"
     parts, lacking, unreachable = [], [], []
     for _, r in advice.iterrows():
-        count = _num(r["instances"])
+        count = as_float(r["instances"])
         if not math.isfinite(count):
             parts.append(f"{r['pool']} unknown (no {r['pool']} work measured)")
             continue
-        current = int(_num(r["current_instances"]))
-        parts.append(f"{r['pool']} {int(count)} ({_num(r['utilisation_at_advice']) * 100:.0f}% busy; has {current})")
-        if _num(r["lacks"]) > 0:
-            lacking.append(f"{int(_num(r['lacks']))} {r['pool']}")
+        current = int(as_float(r["current_instances"]))
+        parts.append(f"{r['pool']} {int(count)} ({as_float(r['utilisation_at_advice']) * 100:.0f}% busy; has {current})")
+        if as_float(r["lacks"]) > 0:
+            lacking.append(f"{int(as_float(r['lacks']))} {r['pool']}")
         if r.get("slo_reachable") is False:
             unreachable.append(str(r["pool"]))
     text = f"{head}: " + ", ".join(parts) + "."
-    counts = [int(_num(c)) for c in advice["instances"] if math.isfinite(_num(c))]
+    counts = [int(as_float(c)) for c in advice["instances"] if math.isfinite(as_float(c))]
     if len(advice) == 2 and len(counts) == 2:
         text += f" P:D = {counts[0]}:{counts[1]}."
     text += (f" The deployment lacks {' and '.join(lacking)} instance(s)." if lacking
@@ -134,11 +127,11 @@ def attribution_sentence(attribution: pd.DataFrame) -> str:
     if attribution is None or len(attribution) == 0:
         return "Attribution not measured: no token latency."
     a = attribution.set_index("kind")
-    if "all" not in a.index or not math.isfinite(_num(a.loc["all", "unattributed_share"])):
+    if "all" not in a.index or not math.isfinite(as_float(a.loc["all", "unattributed_share"])):
         return "Attribution not measured: no token latency."
-    un, ov = _num(a.loc["all", "unattributed_share"]), _num(a.loc["all", "overlap_share"])
-    per = ", ".join(f"{k.upper()} {_num(a.loc[k, 'unattributed_share']) * 100:+.3f}%" for k in ("ttft", "itl")
-                    if k in a.index and math.isfinite(_num(a.loc[k, "unattributed_share"])))
+    un, ov = as_float(a.loc["all", "unattributed_share"]), as_float(a.loc["all", "overlap_share"])
+    per = ", ".join(f"{k.upper()} {as_float(a.loc[k, 'unattributed_share']) * 100:+.3f}%" for k in ("ttft", "itl")
+                    if k in a.index and math.isfinite(as_float(a.loc[k, "unattributed_share"])))
     ok = abs(un) < ATTRIBUTION_TARGET and ov < ATTRIBUTION_TARGET
     return (f"Unattributed time {un * 100:+.3f}% of token latency ({per}); overlap (time two stages both claim) "
             f"{ov * 100:.3f}%. Target: each under {ATTRIBUTION_TARGET * 100:.0f}%: "
@@ -152,9 +145,9 @@ def slo_not_measured(slo: pd.DataFrame) -> list[str]:
     out = []
     overall = slo[slo[col.SLO_CLASS] == ALL_CLASSES_ROW]
     row = overall.iloc[0] if len(overall) else slo.iloc[0]
-    if math.isnan(_num(row["ttft_attainment"])):
+    if math.isnan(as_float(row["ttft_attainment"])):
         out.append("TTFT attainment was not measured: no served request has a recorded first token.")
-    if math.isnan(_num(row["tpot_attainment"])):
+    if math.isnan(as_float(row["tpot_attainment"])):
         out.append("TPOT attainment, and so SLO attainment and goodput, were not measured: the run has no "
                    "per-token data (no served request of more than one output token has a second token "
                    "recorded). They are not met and not failed; a budget on them fails.")
@@ -167,10 +160,10 @@ def failed_sentence(slo: pd.DataFrame) -> str:
         return ""
     overall = slo[slo[col.SLO_CLASS] == ALL_CLASSES_ROW]
     row = overall.iloc[0] if len(overall) else slo.iloc[0]
-    failed = int(_num(row["num_failed"]))
+    failed = int(as_float(row["num_failed"]))
     if failed == 0:
         return ""
-    return (f"{failed} of {int(_num(row['num_requests']))} requests failed (error, aborted, cut off, rejected): "
+    return (f"{failed} of {int(as_float(row['num_requests']))} requests failed (error, aborted, cut off, rejected): "
             f"they never count as good.")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from tokentrace.report.frames import as_float
 from tokentrace.schema import col
 
 __all__ = ["NO_SESSIONS", "session_sentences", "session_tables", "session_metrics", "session_comparison",
@@ -37,21 +38,13 @@ SESSION_METRICS: dict[str, str] = {
 """Metric name -> what it measures (the comparison table's rows, in order)."""
 
 
-def _num(value: Any) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return math.nan
-    return v
-
-
 def _pct(value: Any) -> str:
-    v = _num(value)
+    v = as_float(value)
     return f"{v:.1%}" if math.isfinite(v) else "not measured"
 
 
 def _ms(value: Any) -> str:
-    v = _num(value)
+    v = as_float(value)
     return f"{v:,.1f} ms" if math.isfinite(v) else "not measured"
 
 
@@ -68,21 +61,21 @@ def session_sentences(report: Any) -> tuple[str, ...]:
         out.append("Cross-turn reuse not measured: the server reported no carried prefixes (the reference engine "
                    "records a carry event when a session's next turn is admitted).")
         return tuple(out)
-    carried = _num(r["carried_tokens"])
+    carried = as_float(r["carried_tokens"])
     out.append(
         f"Cross-turn reuse: of {carried:,.0f} prompt tokens the sessions' previous turns had computed, "
-        f"{_pct(r['reuse_fraction'])} were served from cache (device {_num(r['reused_device_tokens']):,.0f}, "
-        f"host {_num(r['reused_host_tokens']):,.0f}, disk {_num(r['reused_disk_tokens']):,.0f} tokens).")
-    lost = _num(r["lost_tokens"])
+        f"{_pct(r['reuse_fraction'])} were served from cache (device {as_float(r['reused_device_tokens']):,.0f}, "
+        f"host {as_float(r['reused_host_tokens']):,.0f}, disk {as_float(r['reused_disk_tokens']):,.0f} tokens).")
+    lost = as_float(r["lost_tokens"])
     if lost > 0:
         hit = turns[turns["lost_tokens"].fillna(0) > 0]
         out.append(f"{lost:,.0f} carried tokens were lost during think time in {len(hit):,} turn(s) (evicted or "
                    f"dropped) and computed again: about {_ms(r['extra_prefill_ms'])} of extra prefill.")
     else:
         out.append("No carried token was lost during think time.")
-    if _num(r["load_ms"]) > 0:
+    if as_float(r["load_ms"]) > 0:
         out.append(f"Bringing carried KV up from lower tiers took {_ms(r['load_ms'])}.")
-    kept, dropped = _num(r.get("retained_blocks")), _num(r.get("dropped_blocks"))
+    kept, dropped = as_float(r.get("retained_blocks")), as_float(r.get("dropped_blocks"))
     if kept > 0:
         out.append(f"The retention policy pinned {kept:,.0f} block(s) between turns, for "
                    f"{_ms(r['mean_retain_ms'])} on average.")
@@ -113,13 +106,13 @@ def session_metrics(report: Any) -> dict[str, float]:
     r = report.retention.iloc[0]
     sums = report.sessions["ttft_sum_ms"].astype(float)
     return {
-        "session.reuse_fraction": _num(r["reuse_fraction"]),
-        "session.lost_tokens": _num(r["lost_tokens"]),
-        "session.extra_prefill": _num(r["extra_prefill_ms"]),
-        "session.load": _num(r["load_ms"]),
+        "session.reuse_fraction": as_float(r["reuse_fraction"]),
+        "session.lost_tokens": as_float(r["lost_tokens"]),
+        "session.extra_prefill": as_float(r["extra_prefill_ms"]),
+        "session.load": as_float(r["load_ms"]),
         "session.ttft_sum.mean": float(sums.mean()),
         "session.ttft_sum.p90": float(sums.quantile(0.9)),
-        "session.think.mean": _num(r["mean_think_ms"]),
+        "session.think.mean": as_float(r["mean_think_ms"]),
     }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from tokentrace.report.frames import as_float
 from tokentrace.schema import col
 
 __all__ = ["NO_SPECULATION", "speculation_sentences", "speculation_tables", "slower_sentence", "neighbours_sentence",
@@ -21,20 +22,13 @@ NO_SPECULATION = ("No speculative decoding in this run: it has no spec_steps row
                   "records one per request and speculative step).")
 
 
-def _num(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _pct(value: Any) -> str:
-    v = _num(value)
+    v = as_float(value)
     return f"{v:.1%}" if math.isfinite(v) else "not measured"
 
 
 def _ms(value: Any, digits: int = 2) -> str:
-    v = _num(value)
+    v = as_float(value)
     return f"{v:,.{digits}f} ms" if math.isfinite(v) else "not measured"
 
 
@@ -42,8 +36,8 @@ def _acceptance(s: pd.Series) -> str:
     return (f"{int(s['num_steps']):,} speculative step(s) of {int(s['num_requests']):,} request(s) "
             f"(drafts from {s['draft_sources'] or 'an unknown source'}, up to {int(s['max_proposed'])} per step) "
             f"proposed {int(s[col.NUM_PROPOSED]):,} tokens: {_pct(s['acceptance_rate'])} were accepted, "
-            f"{_num(s['mean_accepted_per_step']):.2f} per verify step, and a step emitted "
-            f"{_num(s['mean_tokens_per_step']):.2f} tokens on average.")
+            f"{as_float(s['mean_accepted_per_step']):.2f} per verify step, and a step emitted "
+            f"{as_float(s['mean_tokens_per_step']):.2f} tokens on average.")
 
 
 def _cost(cost: pd.DataFrame, rejected: pd.DataFrame) -> str:
@@ -81,8 +75,8 @@ def slower_sentence(by_batch: pd.DataFrame, *, min_tokens: int) -> str:
     if len(slower) == 0:
         return (f"Speculation was not slower than plain decoding at any of the {len(judged)} batch size bin(s) "
                 f"with at least {min_tokens} tokens each side.")
-    parts = [f"{_sizes(r)} (+{_num(r['itl_delta_ms']):,.2f} ms mean ITL, {_num(r['spec_mean_itl_ms']):,.2f} against "
-             f"{_num(r['plain_mean_itl_ms']):,.2f} ms; p = {_num(r['p_adjusted']):.2g}, "
+    parts = [f"{_sizes(r)} (+{as_float(r['itl_delta_ms']):,.2f} ms mean ITL, {as_float(r['spec_mean_itl_ms']):,.2f} against "
+             f"{as_float(r['plain_mean_itl_ms']):,.2f} ms; p = {as_float(r['p_adjusted']):.2g}, "
              f"n = {int(r['spec_tokens']):,} / {int(r['plain_tokens']):,} tokens)" for _, r in slower.iterrows()]
     return "Speculation was slower than plain decoding at batch size " + "; ".join(parts) + "."
 
@@ -138,10 +132,10 @@ def spec_metrics(rep: Any) -> dict[str, float]:
     by_mode = rep.itl.set_index("mode") if len(rep.itl) else pd.DataFrame()
     spec = by_mode.loc["speculative"] if "speculative" in by_mode.index else None
     return {
-        "spec.acceptance_rate": _num(rep.summary["acceptance_rate"].iloc[0]),
-        "spec.draft_share_of_decode": _num(rep.cost["draft_share_of_decode"].iloc[0]) if len(rep.cost) else math.nan,
-        "spec.rejected_draft_share": (_num(rep.rejected["rejected_draft_share"].iloc[0]) if len(rep.rejected)
+        "spec.acceptance_rate": as_float(rep.summary["acceptance_rate"].iloc[0]),
+        "spec.draft_share_of_decode": as_float(rep.cost["draft_share_of_decode"].iloc[0]) if len(rep.cost) else math.nan,
+        "spec.rejected_draft_share": (as_float(rep.rejected["rejected_draft_share"].iloc[0]) if len(rep.rejected)
                                       else math.nan),
-        "spec.ms_per_token": _num(spec["ms_per_token"]) if spec is not None else math.nan,
-        "spec.mean_itl": _num(spec["mean_itl_ms"]) if spec is not None else math.nan,
+        "spec.ms_per_token": as_float(spec["ms_per_token"]) if spec is not None else math.nan,
+        "spec.mean_itl": as_float(spec["mean_itl_ms"]) if spec is not None else math.nan,
     }
