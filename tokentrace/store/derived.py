@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokentrace.schema import TABLES
-from tokentrace.store.layout import part_files, temp_path_for
+from tokentrace.store.layout import atomic_write, part_files
 
 __all__ = ["DERIVED_DIR", "DerivedFile", "parts_fingerprint", "read_derived", "write_derived", "remove_derived"]
 
@@ -116,19 +116,13 @@ def write_derived(run_path: str | os.PathLike[str], name: str, data: pa.Table | 
     for k, v in (extra or {}).items():
         meta[_EXTRA_PREFIX + k.encode()] = v.encode()
     final = folder / f"{name}{_SUFFIX}"
-    tmp = temp_path_for(final)
-    try:
+
+    def write(tmp: Path) -> None:
         with pq.ParquetWriter(tmp, data.schema.with_metadata(meta), compression=_COMPRESSION) as out:
-            batches = data.to_batches() if isinstance(data, pa.Table) else data
-            for batch in batches:
+            for batch in data.to_batches() if isinstance(data, pa.Table) else data:
                 out.write_batch(batch)
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    atomic_write(final, write)
     return final
 
 

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "partition_dir",
     "part_files",
     "temp_path_for",
+    "atomic_write",
     "atomic_write_bytes",
     "create_once",
 ]
@@ -135,20 +137,25 @@ def temp_path_for(final: Path) -> Path:
     return final.with_name(f"{_TEMP_PREFIX}{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
 
 
-def atomic_write_bytes(final: Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` so readers see the old file or the new one, never a part.
+def atomic_write(final: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` to a temporary file next to ``final``, then rename it into place: readers see the old
+    file or the new one, never a part.
 
-    May raise ``OSError`` (disk full, read-only file system); then ``final`` is
+    May raise ``OSError`` (disk full, read-only file system) or whatever ``write`` raises; then ``final`` is
     untouched and the temporary file is removed (best effort).
     """
     tmp = temp_path_for(final)
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
+        write(tmp)
         os.replace(tmp, final)
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+def atomic_write_bytes(final: Path, data: bytes) -> None:
+    """Write ``data`` to ``final`` atomically (:func:`atomic_write`)."""
+    atomic_write(final, lambda tmp: tmp.write_bytes(data))
 
 
 def create_once(final: Path, data: bytes) -> bool:

@@ -30,11 +30,11 @@ from tokentrace.store.batches import prepare_batch
 from tokentrace.store.files import with_run_column
 from tokentrace.store.journal import TableJournal, WriterLock, encode_rows
 from tokentrace.store.layout import (
+    atomic_write,
     new_instance_id,
     new_run_id,
     part_name,
     partition_dir,
-    temp_path_for,
     validate_run_id,
 )
 from tokentrace.store.manifest import WriterFragment, check_config, write_run_manifest
@@ -262,13 +262,4 @@ def _instance_ids(data: pa.Table) -> list[int]:
 
 def _write_parquet_atomically(data: pa.Table, final: Path) -> None:
     """Write ``data`` to a temporary file next to ``final``, then rename it into place."""
-    tmp = temp_path_for(final)
-    try:
-        pq.write_table(data, tmp, compression=_COMPRESSION)
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(final, lambda tmp: pq.write_table(data, tmp, compression=_COMPRESSION))
