@@ -88,13 +88,11 @@ def _samples(src: Source) -> _RunSamples:
     for kind, first in (("ttft", True), ("itl", False)):
         s = np.zeros((len(req), len(STAGE_LABELS)))
         n = np.zeros(len(req))
-        placed: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # stages sharing rows
-        for stage, rid, is_first, ms in stage_ms:  # one value per (request, stage): added once into its cell
-            if (id(rid), id(is_first)) not in placed:
-                sel = is_first == first
-                placed[id(rid), id(is_first)] = (sel, *_positions(ids, rid[sel]))
-            sel, idx, found = placed[id(rid), id(is_first)]
-            s[idx, ROW_OF_STAGE[stage]] += ms[sel][found]
+        for rid, is_first, per_stage in stage_ms:  # one value per (request, stage): added once into its cell
+            sel = is_first == first
+            idx, found = _positions(ids, rid[sel])
+            for stage, ms in per_stage.items():
+                s[idx, ROW_OF_STAGE[stage]] += ms[sel][found]
         t = tok[tok["first"] == first]
         idx, found = _positions(ids, t[c.REQUEST_ID].to_numpy())
         n[idx] = t["n"].to_numpy(float)[found]
@@ -113,11 +111,11 @@ def _positions(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndar
     return at[found], found
 
 
-def _request_stage_ms(src: Source) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per stage: (stage, request ids, whether the sum is of the first token, ms): each request's in-interval span
-    time of that stage over its first token and over the others. From the derived per-token stage sums when the
-    run has them (the same integers summed; 0 where a request has no span of the stage), else from every span
-    (:func:`token_spans`)."""
+def _request_stage_ms(src: Source) -> list[tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]]:
+    """Rows of (request id, whether the sums are of its first token) with, per stage, the ms of that stage's spans
+    inside those tokens' intervals: (request ids, first flags, {stage: ms}). From the derived per-token stage sums
+    when the run has them (one set of rows for every stage: the same integers summed, 0 where a request has no
+    span of the stage), else from every span (:func:`token_spans`; a set of rows per stage)."""
     c = col
     derived = facts.view(src, "token_stage_ns")
     if derived is None:
@@ -126,14 +124,14 @@ def _request_stage_ms(src: Source) -> list[tuple[int, np.ndarray, np.ndarray, np
             FROM {token_spans(src)} GROUP BY ALL
         """)
         stage = per["stage"].to_numpy(int)
-        return [(int(st), per[c.REQUEST_ID].to_numpy()[stage == st], per["first"].to_numpy(bool)[stage == st],
-                 per["ms"].to_numpy(float)[stage == st]) for st in np.unique(stage)]
+        rid, is_first, ms = per[c.REQUEST_ID].to_numpy(), per["first"].to_numpy(bool), per["ms"].to_numpy(float)
+        return [(rid[stage == st], is_first[stage == st], {int(st): ms[stage == st]}) for st in np.unique(stage)]
     columns = set(src.engine.columns(derived))
     stages = [int(st) for st in Stage if facts.stage_column(st) in columns]
     sums = "".join(f", SUM({facts.stage_column(st)}) / 1e6 AS ms_{st}" for st in stages)
     wide = src.df(f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first{sums} FROM {derived} GROUP BY ALL")
-    rid, is_first = wide[c.REQUEST_ID].to_numpy(), wide["first"].to_numpy(bool)
-    return [(st, rid, is_first, wide[f"ms_{st}"].to_numpy(float)) for st in stages]
+    return [(wide[c.REQUEST_ID].to_numpy(), wide["first"].to_numpy(bool),
+             {st: wide[f"ms_{st}"].to_numpy(float) for st in stages})]
 
 
 def _stat(x: np.ndarray, q: float | None, axis: int = -1) -> np.ndarray:
