@@ -168,12 +168,13 @@ def test_planted_delay_shows_up_in_its_stage_only(delay: str, tmp_path: Path) ->
     assert unattributed_share(times) < 0.01
     delta = _typical(times, kind) - _typical(clipped_stage_times(load(tmp_path, "base")), kind)
     planted_ms = _planted_ms(delay) - _planted_ms(base)  # sleeps end late alike in both runs
-    assert abs(delta[stage] - planted_ms) < 1.0, (planted_ms, delta.round(3).to_dict())
-    # No other stage absorbs the delay. A misattribution would move a whole planted delay
-    # (15-30 ms); a tenth of it is room for what a loaded machine does to compute stages
-    # (prefill.compute moved by 2 ms between runs with both cores oversubscribed).
-    others = delta.drop(stage)
-    assert (others.abs() < max(1.0, 0.1 * planted_ms)).all(), str(others.round(3).to_dict())
+    # A tenth of the planted delay is room for what a loaded machine does to compute stages (prefill.compute
+    # moved by 2 ms between runs with both cores oversubscribed, and decode.compute by 1.9 ms of 20): a
+    # misattribution would move a whole planted delay (15-30 ms).
+    room = max(1.0, 0.1 * planted_ms)
+    assert abs(delta[stage] - planted_ms) < room, (planted_ms, delta.round(3).to_dict())
+    others = delta.drop(stage)  # no other stage absorbs the delay
+    assert (others.abs() < room).all(), str(others.round(3).to_dict())
 
 
 def test_unwritable_store_drops_counted_and_server_keeps_serving(tmp_path: Path,
