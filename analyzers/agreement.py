@@ -63,7 +63,9 @@ send of the same chunk: a send is stamped when the write call returned, which on
 loop comes milliseconds after the bytes left (the real AIPerf run in tests/data shows 2-5 ms),
 plus the error of putting two clocks on one."""
 _DELIVERED = "delivered_ns"
-_SUMMARY_METRICS = (("ttft", DIFF_NS), ("itl", DIFF_NS), ("ttft_stages", STAGE_DIFF_NS), ("itl_stages", STAGE_DIFF_NS))
+_SUMMARY_METRICS = (("ttft", DIFF_NS), ("itl", DIFF_NS), ("itl_stages", STAGE_DIFF_NS))
+"""The summary's rows. No ``ttft_stages``: token 0's stages tile [arrival, first token delivered], so their sum is
+the server's TTFT by construction and the row would repeat ``ttft`` without checking anything."""
 
 
 def _clients(src: Source) -> str:
@@ -268,9 +270,12 @@ def agreement_summary(requests: pa.Table, tokens: pa.Table, instances: pa.Table,
                       spans: pa.Table | None = None) -> pd.DataFrame:
     """Distribution of the differences, in ms: one row per metric.
 
-    Metrics: ``ttft`` and ``itl`` (server timestamps - client), ``ttft_stages`` and
-    ``itl_stages`` (server stage sums - client). Columns: metric, count, mean_ms,
-    p50_ms, p99_ms, max_abs_ms (NaN where a metric has no samples).
+    Metrics: ``ttft`` and ``itl`` (server timestamps - client) and ``itl_stages`` (server
+    stage sums - client). Columns: metric, count, mean_ms and p50_ms (signed: the bias),
+    p50_abs_ms, p99_abs_ms and max_abs_ms (percentiles of the absolute difference: the
+    tail, whichever side it is on; a signed p99 of a difference that is normally negative
+    would be its harmless end), and max_ms (the largest signed difference: above zero, the
+    server saw a token later than the client). NaN where a metric has no samples.
     """
     return _summary(token_agreement(requests, tokens, instances, spans))
 
@@ -284,7 +289,9 @@ def _summary(df: pd.DataFrame) -> pd.DataFrame:
             "metric": name, "count": int(v.size),
             "mean_ms": float(v.mean()) if v.size else float("nan"),
             "p50_ms": float(np.percentile(v, 50)) if v.size else float("nan"),
-            "p99_ms": float(np.percentile(v, 99)) if v.size else float("nan"),
+            "p50_abs_ms": float(np.percentile(np.abs(v), 50)) if v.size else float("nan"),
+            "p99_abs_ms": float(np.percentile(np.abs(v), 99)) if v.size else float("nan"),
             "max_abs_ms": float(np.abs(v).max()) if v.size else float("nan"),
+            "max_ms": float(v.max()) if v.size else float("nan"),
         })
     return pd.DataFrame(rows)

@@ -10,7 +10,10 @@ Open it from a store::
     a.slo(); a.goodput(); a.fluidity()         # SLO attainment, DistServe goodput, Etalon fluidity
     a.speculation()                            # speculative decoding: acceptance, draft cost, where it hurt
     a.sessions()                               # multi-turn sessions: cross-turn KV reuse, what evictions cost
+    a.diagnosis()                              # why: each missed request's causes, evidence and fix
+    a.capacity_load_latency(window_s=10)       # capacity: throughput, percentiles, load against latency, CDFs
     a.diff(tokentrace.open("baseline/").analyze())
+    a.compare([tokentrace.open("base/", r) for r in ("a", "b", "c")])  # tested against run-to-run noise
 
 Each method delegates to one module of :mod:`analyzers` and returns pandas
 DataFrames (or a small frozen dataclass of them); column meanings and formulas
@@ -26,14 +29,17 @@ per thread.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
 from analyzers import attribution as _attribution
 from analyzers import batch as _batch
 from analyzers import cache as _cache
+from analyzers import capacity as _capacity
+from analyzers import compare as _compare
 from analyzers import critical_path as _critical
+from analyzers import diagnosis as _diagnosis
 from analyzers import diff as _diff
 from analyzers import latency as _latency
 from analyzers import load as _load
@@ -71,8 +77,9 @@ class RunAnalysis:
 
     def load(self) -> _load.LoadReport:
         """Offered load (over the arrival window) against served load, and whether the run was saturated:
-        the verdict, the pool and the stage that saturate, per-pool utilisation and queue growth."""
-        return _load.load(self.source)
+        the verdict, the pool and the stage that saturate, per-pool utilisation and queue growth. Computed once per
+        source (the diagnosis reads the same verdict)."""
+        return _load.cached_load(self.source)
 
     # ------------------------------------------------------------ latency and SLOs
 
@@ -93,6 +100,15 @@ class RunAnalysis:
     def fluidity(self, *, targets: Mapping[str, _slo.SloTargets] | None = None) -> pd.DataFrame:
         """Etalon fluidity-index (share of per-token deadlines met, with deadline reset after a miss)."""
         return _slo.fluidity(self.source, targets=targets)
+
+    def diagnosis(self, *, ttft_ms: float | None = None, itl_ms: float | None = None, e2e_ms: float | None = None,
+                  targets: Mapping[str, _slo.SloTargets] | None = None) -> _diagnosis.Diagnosis:
+        """Why: for each request that missed a target (its class's TTFT / TPOT, the ITL target on every token gap,
+        or the ``ttft_ms`` / ``itl_ms`` / ``e2e_ms`` given here), the causes of its time over target in ms, ordered,
+        each with its evidence and fix; ``summary`` ranks the causes by the share of all missed time they explain
+        (rules: ``docs/diagnosis.md``)."""
+        return _diagnosis.diagnose(self.source, targets=_diagnosis.Targets(ttft_ms, itl_ms, e2e_ms),
+                                   slo_targets=targets)
 
     # ------------------------------------------------------------ where the time went
 
@@ -148,6 +164,42 @@ class RunAnalysis:
         pool for the offered load within the SLO targets, keeping ``headroom`` of each instance idle."""
         return _pd.pd_ratio(self.source, targets=targets, headroom=headroom)
 
+    # ------------------------------------------------------------ capacity
+
+    def capacity_throughput(self, *, window_s: float) -> pd.DataFrame:
+        """Requests and tokens per second per window of ``window_s`` (completions, input and output tokens)."""
+        return _capacity.throughput(self.source, window_s=window_s)
+
+    def capacity_throughput_summary(self) -> pd.DataFrame:
+        """One row: requests, tokens, duration and the run's mean request and token rates."""
+        return _capacity.throughput_summary(self.source)
+
+    def capacity_offered_load(self) -> pd.DataFrame:
+        """One row: the offered request rate over the arrival window (the load analysis's figure alone)."""
+        return _capacity.offered_load(self.source)
+
+    def capacity_slo_targets(self) -> pd.DataFrame:
+        """The run's SLO targets per class, without judging a request."""
+        return _capacity.slo_targets(self.source)
+
+    def capacity_percentiles(self, *, levels: tuple[float, ...] = _capacity.CAPACITY_PERCENTILES) -> pd.DataFrame:
+        """TTFT, TPOT, ITL and E2E at the capacity percentiles ``levels``."""
+        return _capacity.percentiles(self.source, levels=levels)
+
+    def capacity_load_latency(self, *, window_s: float,
+                              percentiles: tuple[float, ...] = _capacity.CAPACITY_PERCENTILES) -> pd.DataFrame:
+        """Per arrival window of ``window_s``: offered rate beside the latency percentiles of its requests."""
+        return _capacity.load_latency(self.source, window_s=window_s, percentiles=percentiles)
+
+    def capacity_cdf(self, *, points: int = 200) -> pd.DataFrame:
+        """``points`` + 1 evenly spaced quantiles of each latency metric (its distribution function)."""
+        return _capacity.cdf(self.source, points=points)
+
+    def capacity_ttft_by_prompt(self, *, bins: int = 20,
+                                percentiles: tuple[float, ...] = _capacity.CAPACITY_PERCENTILES) -> pd.DataFrame:
+        """TTFT percentiles per prompt-length bin (about ``bins`` bins of equal size)."""
+        return _capacity.ttft_by_prompt(self.source, bins=bins, percentiles=percentiles)
+
     def batch(self) -> pd.DataFrame:
         """Step time and ITL against batch size (power-of-two bins)."""
         return _batch.batch_profile(self.source)
@@ -198,6 +250,23 @@ class RunAnalysis:
         regressions ranked by their contribution to TTFT and ITL."""
         return _diff.diff(_as_source(baseline, self.source), self.source, resamples=resamples, seed=seed,
                           min_effect=min_effect, min_effect_ms=min_effect_ms, confidence=confidence)
+
+    def compare(self, baselines: Sequence[Any], *, others: Sequence[Any] = (),
+                noise: _compare.NoiseModel | None = None, confidence: float = 0.95, power: float = 0.9,
+                min_effect: float = 0.02, min_effect_ms: float = 0.1) -> pd.DataFrame:
+        """This run and ``others`` (the candidate runs) against ``baselines`` (RunAnalysis, Run or Source each),
+        tested at the level of runs (``analyzers.compare``): a change counts only past what run-to-run noise
+        produces (measured from the runs when a side has two or more, else ``noise``: A/A runs measured with
+        :meth:`noise`, or the documented default); each row says the smallest change it could detect."""
+        return _compare.compare([_as_source(b, self.source) for b in baselines],
+                                [self.source] + [_as_source(o, self.source) for o in others], noise=noise,
+                                confidence=confidence, power=power, min_effect=min_effect,
+                                min_effect_ms=min_effect_ms)
+
+    def noise(self, others: Sequence[Any], *, source: str) -> _compare.NoiseModel:
+        """Run-to-run noise measured from this run and ``others``, runs of one configuration (A/A runs; at least
+        three in all), for comparisons of single runs (:meth:`compare`); ``source`` says where they came from."""
+        return _compare.measure_noise([self.source] + [_as_source(o, self.source) for o in others], source=source)
 
     def agreement(self) -> pd.DataFrame:
         """Server view against the client's (``analyzers.agreement.agreement_summary``); empty without client rows."""

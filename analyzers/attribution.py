@@ -1,7 +1,15 @@
-"""The attribution invariant's gauges: unattributed time (signed) and overlap, per kind of token.
+"""How spans are attributed to tokens, and the attribution invariant's gauges: unattributed time (signed) and
+overlap, per kind of token.
 
-For every delivered token (intervals as in :mod:`analyzers.timing`) its spans
-are clipped to the token's interval (as :func:`analyzers.stage_breakdown.token_spans`):
+A span counts toward the token it works toward (:func:`span_pieces_sql`): the token index its process gave it,
+but never one before the first token that process emitted for the request (a disaggregated decode worker tags its
+queue and preemption spans with token 0, which the prefill worker produced: they work toward the decode
+worker's first token). The span is clipped to that token's own interval (:mod:`analyzers.timing`: the engine
+runs ahead of the stream, and the part of a span hidden behind the previous token's delivery is not this token's
+latency), and its time counts in that token's interval, or in token 0's when the token was delivered by the first
+visible content (held back with it): token 0's stages tile ``[arrival, first visible content]``.
+
+For every delivered token:
 
 * stage time = the sum of the clipped span lengths (what the stage shares add up);
 * covered time = the length of their union (time at least one stage claims);
@@ -24,10 +32,11 @@ import pandas as pd
 
 from analyzers import facts
 from analyzers.source import Source
-from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, token_times
-from tokentrace.schema import col
+from analyzers.timing import COUNTED_IN, LATENCY, OWN_END, OWN_START, token_times
+from tokentrace.schema import TOKENS, col
 
-__all__ = ["KINDS", "token_coverage", "attribution", "unattributed_share", "overlap_share"]
+__all__ = ["TOKEN_COVERAGE", "span_pieces_sql", "KINDS", "token_coverage", "attribution", "unattributed_share",
+           "overlap_share"]
 
 KINDS: tuple[str, ...] = ("ttft", "itl", "all")
 COLUMNS = ["kind", "num_tokens", "latency_ms", "stage_ms", "covered_ms", "unattributed_share", "overlap_share",
@@ -35,34 +44,79 @@ COLUMNS = ["kind", "num_tokens", "latency_ms", "stage_ms", "covered_ms", "unattr
 
 
 def token_coverage(src: Source) -> str:
-    """Name of the temp table with one row per delivered token: request_id, token_index, latency_ns,
+    """Relation of :data:`TOKEN_COVERAGE`: one row per delivered token: request_id, token_index, latency_ns,
     stage_ns (sum of clipped spans), covered_ns (union of clipped spans)."""
-    def build() -> str:
-        c = col
-        derived = facts.view(src, "token_stage_ns")  # the run's derived facts hold these columns (analyzers.facts)
-        if derived is not None:
-            return derived
-        src.execute(f"""
-            CREATE OR REPLACE TEMP TABLE token_coverage AS
-            WITH clipped AS (
-                SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX},
-                       GREATEST(s.{c.START_NS}, t.{TOKEN_START}) AS lo, LEAST(s.{c.END_NS}, t.{TOKEN_END}) AS hi
-                FROM srv_spans s JOIN {token_times(src)} t USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
-            ), pieces AS (
-                SELECT *, MAX(hi) OVER (PARTITION BY {c.REQUEST_ID}, {c.TOKEN_INDEX} ORDER BY lo, hi
-                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
-                FROM clipped WHERE hi > lo
-            ), per_token AS (
-                SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(hi - lo) AS stage_ns,
-                       SUM(GREATEST(0, hi - GREATEST(lo, COALESCE(reach, lo)))) AS covered_ns
-                FROM pieces GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-            )
-            SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS latency_ns,
-                   COALESCE(p.stage_ns, 0) AS stage_ns, COALESCE(p.covered_ns, 0) AS covered_ns
-            FROM {token_times(src)} t LEFT JOIN per_token p USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
-        """)
-        return "token_coverage"
-    return src.cached("token_coverage", build)
+    return facts.relation(src, TOKEN_COVERAGE)
+
+
+def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = None) -> str:
+    """SELECT of every server span tagged with a token, with the token it counts in (module doc): request_id,
+    token_index (the token whose interval gets its time), stage_id, instance_id, start_ns, end_ns, and lo, hi:
+    the span clipped to the own interval of the token it works toward (``hi <= lo``: none of it is inside).
+
+    ``only``: a relation of distinct (request_id, token_index) pairs: then only the spans that count in those
+    tokens (the join to the token intervals keeps those tokens' rows only, so fewer spans cross it).
+    ``mark``: such a relation too, but every span is kept, with a column ``marked``: whether the token it counts
+    in is one of those pairs (known from the token's row, so no span crosses a second join)."""
+    c = col
+    tt = token_times(src)
+    if only is not None:
+        tt = (f"(SELECT t.* FROM {tt} t JOIN {only} k "
+              f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{COUNTED_IN})")
+    marked = ""
+    if mark is not None:
+        tt = (f"(SELECT t.*, k.{c.REQUEST_ID} IS NOT NULL AS marked FROM {tt} t LEFT JOIN {mark} k "
+              f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{COUNTED_IN})")
+        marked = ", t.marked"
+    toward, floors = f"s.{c.TOKEN_INDEX}", ""
+    if _num_emitting_instances(src) > 1:  # a process's spans work toward a token it emits, never an earlier one
+        toward = f"GREATEST(s.{c.TOKEN_INDEX}, COALESCE(e.first_emitted, 0))"
+        floors = f"""LEFT JOIN (
+                SELECT {c.REQUEST_ID}, {c.INSTANCE_ID}, MIN({c.TOKEN_INDEX}) AS first_emitted FROM srv_tokens
+                WHERE {c.EMIT_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.INSTANCE_ID}
+            ) e ON e.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND e.{c.INSTANCE_ID} = s.{c.INSTANCE_ID}"""
+    return f"""
+        SELECT s.{c.REQUEST_ID}, t.{COUNTED_IN} AS {c.TOKEN_INDEX}, s.{c.STAGE}, s.{c.INSTANCE_ID}, s.{c.START_NS},
+               s.{c.END_NS}, GREATEST(s.{c.START_NS}, t.{OWN_START}) AS lo, LEAST(s.{c.END_NS}, t.{OWN_END}) AS hi{marked}
+        FROM srv_spans s {floors}
+        JOIN {tt} t ON t.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} >= 0 AND t.{c.TOKEN_INDEX} = {toward}
+    """
+
+
+def _num_emitting_instances(src: Source) -> int:
+    """How many server processes emitted tokens (1 in a colocated run), counted once per source."""
+    return int(src.cached("num_emitting_instances", lambda: src.scalar(
+        f"SELECT COUNT(DISTINCT {col.INSTANCE_ID}) FROM srv_tokens WHERE {col.EMIT_NS} IS NOT NULL") or 0))
+
+
+def _token_coverage_sql(src: Source) -> str:
+    c = col
+    tt = token_times(src)
+    return f"""
+        WITH pieces AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, lo, hi,
+                   MAX(hi) OVER (PARTITION BY {c.REQUEST_ID}, {c.TOKEN_INDEX} ORDER BY lo, hi
+                                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
+            FROM ({span_pieces_sql(src)}) p WHERE hi > lo
+        ), per_token AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM(hi - lo) AS stage_ns,
+                   SUM(GREATEST(0, hi - GREATEST(lo, COALESCE(reach, lo)))) AS covered_ns
+            FROM pieces GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
+        )
+        SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY},
+               COALESCE(p.stage_ns, 0) AS stage_ns, COALESCE(p.covered_ns, 0) AS covered_ns
+        FROM {tt} t LEFT JOIN per_token p USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+    """
+
+
+TOKEN_COVERAGE = facts.Fact(
+    "token_coverage", "One row per delivered token: its latency, the summed time of its spans clipped to its "
+                      "interval, and the length of their union (module doc).",
+    (TOKENS.column(col.REQUEST_ID), TOKENS.column(col.TOKEN_INDEX),
+     facts.i64(LATENCY, "The token's latency (TTFT for token 0, else ITL); ns."),
+     facts.i64("stage_ns", "The time of the spans that count in its interval, clipped (module doc), summed; ns."),
+     facts.i64("covered_ns", "Length of the union of those clipped spans; ns.")),
+    select=_token_coverage_sql)
 
 
 def attribution(src: Source) -> pd.DataFrame:

@@ -1,6 +1,6 @@
 """Batching: step time and ITL against batch size, and interference inside a step.
 
-* Batch profile: steps are binned by batch size (sequences in the step) into
+* Batch profile, per role (the role of the instance that ran the steps): steps are binned by batch size (sequences in the step) into
   powers of two: [1], [2], [3, 4], [5, 8], [9, 16], ...; per bin the step
   durations (mean, p99) and the ITL of the decode tokens (index >= 1) those
   steps produced (a token's step is the engine step that emitted it).
@@ -19,11 +19,13 @@ import pandas as pd
 from analyzers import facts
 from analyzers.source import Source
 from analyzers.timing import LATENCY, token_steps, token_times
-from tokentrace.schema import col
+from tokentrace.schema import Role, col
 
-__all__ = ["batch_profile", "interference", "decode_token_steps", "decode_token_steps_sql", "TAIL_FRACTION"]
+__all__ = ["DECODE_TOKEN_STEPS", "batch_profile", "interference", "decode_token_steps", "decode_token_steps_sql",
+           "TAIL_FRACTION"]
 
 TAIL_FRACTION = 0.01
+UNKNOWN_ROLE = "unknown"  # role of steps whose instance is missing from the instances table
 _BIN = "CAST(CEIL(LOG2(GREATEST({n}, 1)) - 1e-9) AS INTEGER)"  # ceil(log2 n): 1->0, 2->1, 3,4->2, 5..8->3
 
 
@@ -45,32 +47,49 @@ def decode_token_steps_sql(src: Source) -> str:
     """
 
 
+DECODE_TOKEN_STEPS = facts.Fact(
+    "decode_token_steps", "Every delivered token i >= 1 with the engine step that produced it.",
+    (facts.i64("lat", "The token's ITL; ns."), facts.i64("step_ns", "Length of the step that produced it; ns."),
+     facts.i64("seqs", "The step's batch size (sequences)."),
+     facts.i64("other_prefill", "Prefill tokens in the step.")),
+    select=decode_token_steps_sql)
+
+
 def decode_token_steps(src: Source) -> str:
-    """A relation of :func:`decode_token_steps_sql`'s rows: the run's derived fact of that name when it has a
-    current one (:mod:`analyzers.facts`), else the query itself."""
-    return facts.view(src, "decode_token_steps") or f"({decode_token_steps_sql(src)})"
+    """Relation of :data:`DECODE_TOKEN_STEPS` (:func:`analyzers.facts.relation`)."""
+    return facts.relation(src, DECODE_TOKEN_STEPS)
 
 
 def batch_profile(src: Source) -> pd.DataFrame:
-    """Per batch-size bin: batch_size_lo, batch_size_hi, num_steps, mean_step_ms, p99_step_ms,
-    num_tokens, mean_itl_ms, p99_itl_ms (NaN ITL columns where the bin produced no decode token)."""
+    """Per role (of the instances that ran the steps) and batch-size bin: role, batch_size_lo, batch_size_hi,
+    num_steps, mean_step_ms, p99_step_ms, num_tokens, mean_itl_ms, p99_itl_ms (NaN ITL columns where the bin
+    produced no decode token). Roles apart: a prefill worker's prefill-only steps are not decode steps, and
+    mixed with a decode worker's they would make a step look slower than the ITL it produced."""
     c = col
+    tt, ts = token_times(src), token_steps(src)
+    roles = f"(SELECT {c.INSTANCE_ID}, ANY_VALUE({c.ROLE}) AS role_id FROM instances GROUP BY {c.INSTANCE_ID})"
     steps = src.df(f"""
-        SELECT {_bin(c.NUM_SEQS)} AS k, COUNT(*) AS num_steps,
-               AVG({c.END_NS} - {c.START_NS}) / 1e6 AS mean_step_ms,
-               quantile_cont({c.END_NS} - {c.START_NS}, 0.99) / 1e6 AS p99_step_ms
-        FROM steps GROUP BY k
+        SELECT i.role_id, {_bin('s.' + c.NUM_SEQS)} AS k, COUNT(*) AS num_steps,
+               AVG(s.{c.END_NS} - s.{c.START_NS}) / 1e6 AS mean_step_ms,
+               quantile_cont(s.{c.END_NS} - s.{c.START_NS}, 0.99) / 1e6 AS p99_step_ms
+        FROM steps s LEFT JOIN {roles} i USING ({c.INSTANCE_ID}) GROUP BY ALL
     """)
     toks = src.df(f"""
-        SELECT {_bin('seqs')} AS k, COUNT(*) AS num_tokens, AVG(lat) / 1e6 AS mean_itl_ms,
-               quantile_cont(lat, 0.99) / 1e6 AS p99_itl_ms
-        FROM {decode_token_steps(src)} GROUP BY k
+        SELECT i.role_id, {_bin('s.' + c.NUM_SEQS)} AS k, COUNT(*) AS num_tokens,
+               AVG(t.{LATENCY}) / 1e6 AS mean_itl_ms, quantile_cont(t.{LATENCY}, 0.99) / 1e6 AS p99_itl_ms
+        FROM {tt} t JOIN {ts} x ON t.{c.REQUEST_ID} = x.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = x.{c.TOKEN_INDEX}
+        JOIN steps s ON x.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND x.{c.STEP} = s.{c.STEP}
+        LEFT JOIN {roles} i ON s.{c.INSTANCE_ID} = i.{c.INSTANCE_ID}
+        WHERE t.{c.TOKEN_INDEX} > 0 GROUP BY ALL
     """)
-    df = steps.merge(toks, on="k", how="left").sort_values("k")
+    for frame in (steps, toks):
+        frame["role"] = [Role(int(r)).label if pd.notna(r) else UNKNOWN_ROLE for r in frame["role_id"]]
+    df = steps.drop(columns="role_id").merge(toks.drop(columns="role_id"), on=["role", "k"], how="left")
+    df = df.sort_values(["role", "k"])
     df["num_tokens"] = df["num_tokens"].fillna(0).astype("int64")
-    df.insert(0, "batch_size_hi", (2 ** df["k"]).astype("int64"))
-    df.insert(0, "batch_size_lo", df["k"].map(lambda k: 1 if k == 0 else 2 ** (int(k) - 1) + 1).astype("int64"))
-    return df.drop(columns="k").reset_index(drop=True)
+    df.insert(1, "batch_size_hi", (2 ** df["k"]).astype("int64"))
+    df.insert(1, "batch_size_lo", df["k"].map(lambda k: 1 if k == 0 else 2 ** (int(k) - 1) + 1).astype("int64"))
+    return df.drop(columns="k")[["role", *[x for x in df.columns if x not in ("role", "k")]]].reset_index(drop=True)
 
 
 def interference(src: Source, *, tail_fraction: float = TAIL_FRACTION) -> pd.DataFrame:
@@ -78,10 +97,7 @@ def interference(src: Source, *, tail_fraction: float = TAIL_FRACTION) -> pd.Dat
     mean_other_prefill_tokens, share_with_prefill. Empty when no decode token has a recorded step."""
     if not 0 < tail_fraction <= 1:
         raise ValueError(f"tail_fraction must be in (0, 1], got {tail_fraction!r}")
-    tok = facts.view(src, "decode_token_steps")  # the run's derived fact, read in place
-    if tok is None:  # the join once, not once per group below
-        src.execute(f"CREATE OR REPLACE TEMP TABLE intf_tok AS {decode_token_steps_sql(src)}")
-        tok = "intf_tok"
+    tok = decode_token_steps(src)
     agg = """COUNT(*) AS num_tokens, AVG(lat) / 1e6 AS mean_itl_ms, AVG(step_ns) / 1e6 AS mean_step_ms,
              AVG(seqs) AS mean_batch_size, AVG(other_prefill) AS mean_other_prefill_tokens,
              AVG(CASE WHEN other_prefill > 0 THEN 1.0 ELSE 0.0 END) AS share_with_prefill"""

@@ -5,7 +5,8 @@
   = share of requests with at least one cached token. Requests with a known,
   positive prompt length only.
 * Per tier: a *lookup* is one prefix match (the HIT and MISS events sharing
-  instance, request and start time). lookup_hit_rate(tier) = lookups that hit
+  instance, request and start time); a request's first only (a resumed request
+  looks up again and finds its own blocks; its cached-token count is the first's). lookup_hit_rate(tier) = lookups that hit
   blocks in that tier / all lookups; share_of_hit_blocks = blocks hit there /
   all hit blocks.
 * Churn per tier: evicted blocks (EVICT) and their rate over the run's
@@ -17,7 +18,9 @@
   second of transfer time.
 * Value of a hit (:func:`hit_value`), measured on the stages a hit changes:
   ``cache.lookup``, ``cache.load`` and ``prefill.compute`` (every span of the
-  request, on any instance), with queueing (``schedule.queue``) and everything
+  request, on any instance, counted in the request's token intervals as the stage
+  breakdown counts it, so the stage times compare with the TTFT beside them:
+  :data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`), with queueing (``schedule.queue``) and everything
   else excluded: requests that hit arrive when the cache is warm, often behind a
   burst, so their whole TTFT says more about the queue than about the cache.
   Per group (``hit``: some cached prompt tokens, ``miss``: none): mean lookup,
@@ -25,7 +28,11 @@
   tokens. saved_ms_per_hit = what a hit request's prompt would cost at the miss
   rate per prompt token, minus what it cost. Requests without any of those
   spans are not measured (the group's figures are NaN); mean queue and TTFT are
-  shown beside, not used.
+  shown beside. Under load the same stages take longer (a prefill shares its step),
+  so the misses compared are those that queued about as long as the hits: within
+  ``QUEUE_FACTOR`` of the hits' median ``schedule.queue`` time, give or take
+  ``QUEUE_SLACK_NS``; with fewer than ``MIN_VALUE_REQUESTS`` compared hits or
+  misses the value is not measured, and ``value_note`` (hit row) says what is missing.
 * Hit rate over time (:func:`hit_rate_over_time`): token- and request-weighted
   hit rates per arrival window.
 * Best achievable hit rate: when the run replayed a trace with block hashes
@@ -44,8 +51,9 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from analyzers import facts
+from analyzers.groups import check_window_s
 from analyzers.source import Source
+from analyzers.stage_breakdown import request_stage_ns
 from analyzers.timing import TTFT_NS, request_table, run_bounds
 from tokentrace.schema import CacheEventKind, Stage, Tier, col
 
@@ -54,9 +62,12 @@ __all__ = ["CacheReport", "PREFIX_BOUND_KEY", "prefix_bound", "prefix_hits", "ti
 
 PREFIX_BOUND_KEY = "prefix_bound"
 """Key, inside the manifest's ``config.bench``, of the best achievable prefix hit rates of the replayed trace."""
-_BENCH_KEY = "bench"  # tokentrace.bench.runner.BENCH_CONFIG_KEY (analyzers do not import the application layer)
+_BENCH_KEY = "bench"  # tokentrace.app.bench.runner.BENCH_CONFIG_KEY (analyzers do not import the application layer)
 _HIT_STAGES = (Stage.CACHE_LOOKUP, Stage.CACHE_LOAD, Stage.PREFILL_COMPUTE)
 _NUM_WINDOWS = 20  # default hit-rate windows over a run
+MIN_VALUE_REQUESTS = 5  # fewer compared hits or misses than this: the value of a hit is not measured
+QUEUE_FACTOR = 2  # a miss is compared with the hits when it queued within this factor of the hits' median...
+QUEUE_SLACK_NS = 5_000_000  # ...give or take 5 ms (queues near zero)
 
 _TRANSFER_KINDS = (CacheEventKind.SWAP_OUT, CacheEventKind.SWAP_IN, CacheEventKind.OFFLOAD,
                    CacheEventKind.LOAD, CacheEventKind.PREFETCH)
@@ -122,12 +133,26 @@ def prefix_hits(src: Source) -> pd.DataFrame:
 
 
 def tier_hits(src: Source) -> pd.DataFrame:
-    """Per tier: tier, num_lookups, num_lookups_hit, lookup_hit_rate, hit_blocks, share_of_hit_blocks."""
+    """Per tier: tier, num_lookups, num_lookups_hit, lookup_hit_rate, hit_blocks, share_of_hit_blocks.
+
+    Each request's first lookup only (events without a request count each): the one whose cached tokens the
+    request reports, so that these rates and the token hit rate describe the same lookups. A request looks up
+    again when it is resumed after a preemption, and then finds its own blocks."""
     c = col
     hit, miss = int(CacheEventKind.HIT), int(CacheEventKind.MISS)
+    lookup = f"{c.INSTANCE_ID}, {c.REQUEST_ID}, {c.START_NS}"
     df = src.df(f"""
-        WITH ev AS (SELECT * FROM cache_events WHERE {c.KIND} IN ({hit}, {miss})),
-        lookups AS (SELECT COUNT(*) AS n FROM (SELECT DISTINCT {c.INSTANCE_ID}, {c.REQUEST_ID}, {c.START_NS} FROM ev))
+        WITH every_lookup AS (SELECT * FROM cache_events WHERE {c.KIND} IN ({hit}, {miss})),
+        first_lookup AS (
+            SELECT DISTINCT {lookup} FROM every_lookup WHERE COALESCE({c.REQUEST_ID}, -1) < 0
+            UNION ALL
+            SELECT {lookup} FROM (SELECT DISTINCT {lookup} FROM every_lookup WHERE {c.REQUEST_ID} >= 0)
+            QUALIFY ROW_NUMBER() OVER (PARTITION BY {c.REQUEST_ID} ORDER BY {c.START_NS}, {c.INSTANCE_ID}) = 1
+        ),
+        ev AS (SELECT e.* FROM every_lookup e SEMI JOIN first_lookup f
+               ON e.{c.INSTANCE_ID} IS NOT DISTINCT FROM f.{c.INSTANCE_ID}
+              AND e.{c.REQUEST_ID} IS NOT DISTINCT FROM f.{c.REQUEST_ID} AND e.{c.START_NS} = f.{c.START_NS}),
+        lookups AS (SELECT COUNT(*) AS n FROM first_lookup)
         SELECT {c.TIER} AS tier, (SELECT n FROM lookups) AS num_lookups,
                COUNT(DISTINCT ({c.INSTANCE_ID}, {c.REQUEST_ID}, {c.START_NS})) AS num_lookups_hit,
                SUM({c.NUM_BLOCKS})::BIGINT AS hit_blocks
@@ -184,37 +209,21 @@ def transfers(src: Source) -> pd.DataFrame:
     return df
 
 
-def _per_request_stage_sql(src: Source, derived: str, lookup: int, load: int, prefill: int, queue: int) -> str:
-    """``hit_value``'s per-request stage times (lookup_ns, load_ns, prefill_ns, queue_ns, measured) from the run's
-    derived per-request stage sums (:mod:`analyzers.facts`): one row per request with spans, as from the spans."""
-    combos, _ = facts.request_stage_layout(src, derived)
-
-    def total(stage: int) -> str:
-        names = [name for st, _, name in combos if st == stage]
-        return " + ".join(f"COALESCE(w.{name}, 0)" for name in names) or "0"
-
-    present = " OR ".join(f"w.{name} IS NOT NULL" for st, _, name in combos if st in (lookup, load, prefill))
-    return (f"SELECT w.{col.REQUEST_ID}, {total(lookup)} AS lookup_ns, {total(load)} AS load_ns, "
-            f"{total(prefill)} AS prefill_ns, {total(queue)} AS queue_ns, ({present or 'false'}) AS measured "
-            f"FROM {derived} w")
-
-
 def hit_value(src: Source) -> pd.DataFrame:
     """Rows ``hit`` and ``miss`` (module doc): num_requests, num_measured, mean_prompt_tokens, mean_cached_tokens,
-    lookup_ms, load_ms, prefill_ms (means per measured request), ms_per_prompt_token, saved_ms_per_hit (hit
-    row), and for context only mean_queue_ms and mean_ttft_ms. Requests with a positive prompt length."""
+    num_compared, lookup_ms, load_ms, prefill_ms (means per compared request), ms_per_prompt_token, saved_ms_per_hit
+    (hit row; NaN when not measured), mean_queue_ms and mean_ttft_ms (for context), value_note (hit row: why the
+    value is not measured, "" when it is). Requests with a positive prompt length."""
     c = col
     lookup, load, prefill = (int(s) for s in _HIT_STAGES)
     queue = int(Stage.SCHEDULE_QUEUE)
-    derived = facts.view(src, "request_stage_ns")
-    per_sql = _per_request_stage_sql(src, derived, lookup, load, prefill, queue) if derived is not None else f"""
-            SELECT {c.REQUEST_ID},
-                   SUM(CASE WHEN {c.STAGE} = {lookup} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS lookup_ns,
-                   SUM(CASE WHEN {c.STAGE} = {load} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS load_ns,
-                   SUM(CASE WHEN {c.STAGE} = {prefill} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS prefill_ns,
-                   SUM(CASE WHEN {c.STAGE} = {queue} THEN {c.END_NS} - {c.START_NS} ELSE 0 END) AS queue_ns,
+    stage_ns = (lambda stage: f"SUM(CASE WHEN {c.STAGE} = {stage} THEN ns ELSE 0 END)")
+    per_sql = f"""
+            SELECT {c.REQUEST_ID}, {stage_ns(lookup)} AS lookup_ns, {stage_ns(load)} AS load_ns,
+                   {stage_ns(prefill)} AS prefill_ns, {stage_ns(queue)} AS queue_ns,
                    BOOL_OR({c.STAGE} IN ({lookup}, {load}, {prefill})) AS measured
-            FROM srv_spans GROUP BY {c.REQUEST_ID}"""
+            FROM {request_stage_ns(src)} GROUP BY {c.REQUEST_ID}"""
+    # The misses compared with the hits are those that queued about as long as the hits did (module doc).
     df = src.df(f"""
         WITH per AS ({per_sql}
         ), r AS (
@@ -223,36 +232,66 @@ def hit_value(src: Source) -> pd.DataFrame:
                    f.{TTFT_NS} AS ttft, p.*
             FROM {request_table(src)} f LEFT JOIN per p USING ({c.REQUEST_ID})
             WHERE f.{c.NUM_PROMPT_TOKENS} > 0
+        ), ref AS (
+            SELECT quantile_cont(queue_ns, 0.5) AS q FROM r WHERE "group" = 'hit' AND measured
+        ), k AS (
+            SELECT r.*, COALESCE(measured AND ("group" = 'hit' OR queue_ns BETWEEN ref.q / {QUEUE_FACTOR} - {QUEUE_SLACK_NS}
+                                                                  AND ref.q * {QUEUE_FACTOR} + {QUEUE_SLACK_NS}), false)
+                        AS compared
+            FROM r, ref
         )
         SELECT "group", COUNT(*) AS num_requests, COUNT(*) FILTER (WHERE measured) AS num_measured,
+               COUNT(*) FILTER (WHERE compared) AS num_compared,
                AVG(prompt) AS mean_prompt_tokens, AVG(cached) AS mean_cached_tokens,
-               AVG(lookup_ns) FILTER (WHERE measured) / 1e6 AS lookup_ms,
-               AVG(load_ns) FILTER (WHERE measured) / 1e6 AS load_ms,
-               AVG(prefill_ns) FILTER (WHERE measured) / 1e6 AS prefill_ms,
-               SUM(lookup_ns + load_ns + prefill_ns) FILTER (WHERE measured)::DOUBLE
-                   / SUM(prompt) FILTER (WHERE measured) / 1e6 AS ms_per_prompt_token,
-               AVG(prompt) FILTER (WHERE measured) AS measured_prompt_tokens,
+               AVG(lookup_ns) FILTER (WHERE compared) / 1e6 AS lookup_ms,
+               AVG(load_ns) FILTER (WHERE compared) / 1e6 AS load_ms,
+               AVG(prefill_ns) FILTER (WHERE compared) / 1e6 AS prefill_ms,
+               SUM(lookup_ns + load_ns + prefill_ns) FILTER (WHERE compared)::DOUBLE
+                   / SUM(prompt) FILTER (WHERE compared) / 1e6 AS ms_per_prompt_token,
+               AVG(prompt) FILTER (WHERE compared) AS compared_prompt_tokens,
                AVG(queue_ns) FILTER (WHERE measured) / 1e6 AS mean_queue_ms,
                AVG(ttft) / 1e6 AS mean_ttft_ms
-        FROM r GROUP BY "group"
+        FROM k GROUP BY "group"
     """)
     base = pd.DataFrame({"group": ["hit", "miss"]})
     out = base.merge(df, on="group", how="left")
-    out["num_requests"] = out["num_requests"].fillna(0).astype("int64")
-    out["num_measured"] = out["num_measured"].fillna(0).astype("int64")
-    per_token = out.set_index("group")["ms_per_prompt_token"]
+    for column in ("num_requests", "num_measured", "num_compared"):
+        out[column] = out[column].fillna(0).astype("int64")
+    g = out.set_index("group")
+    note = _value_note(g)
     hit = out["group"] == "hit"
     hit_cost = out["lookup_ms"] + out["load_ms"] + out["prefill_ms"]
-    out["saved_ms_per_hit"] = (per_token.get("miss", math.nan) * out["measured_prompt_tokens"] - hit_cost).where(hit)
-    return out[["group", "num_requests", "num_measured", "mean_prompt_tokens", "mean_cached_tokens", "lookup_ms",
-                "load_ms", "prefill_ms", "ms_per_prompt_token", "saved_ms_per_hit", "mean_queue_ms", "mean_ttft_ms"]]
+    saved = g.loc["miss", "ms_per_prompt_token"] * out["compared_prompt_tokens"] - hit_cost
+    out["saved_ms_per_hit"] = saved.where(hit & (note == ""))
+    out["value_note"] = [note if h else "" for h in hit]
+    return out[["group", "num_requests", "num_measured", "num_compared", "mean_prompt_tokens", "mean_cached_tokens",
+                "lookup_ms", "load_ms", "prefill_ms", "ms_per_prompt_token", "saved_ms_per_hit", "mean_queue_ms",
+                "mean_ttft_ms", "value_note"]]
+
+
+def _value_note(g: pd.DataFrame) -> str:
+    """Why the value of a hit is not measured ("" when it is): the first thing missing (module doc)."""
+    hits, misses = g.loc["hit"], g.loc["miss"]
+    n_hit, n_miss, n_miss_measured = int(hits["num_compared"]), int(misses["num_compared"]), int(misses["num_measured"])
+    if hits["num_requests"] == 0:
+        return "no request hit the prefix cache"
+    if hits["num_measured"] == 0:
+        return "no request that hit has cache.lookup, cache.load or prefill.compute spans"
+    if misses["num_measured"] == 0:
+        return "no request missed the prefix cache to compare with (with spans)"
+    if n_hit < MIN_VALUE_REQUESTS:
+        return f"only {n_hit} request(s) hit (at least {MIN_VALUE_REQUESTS} are needed)"
+    if n_miss < MIN_VALUE_REQUESTS:
+        return (f"only {n_miss} of {n_miss_measured} request(s) that missed queued about as long "
+                f"as the hits (the hits queued {float(hits['mean_queue_ms']):,.1f} ms on average; at least "
+                f"{MIN_VALUE_REQUESTS} are needed): under another load the stages a hit changes take another time")
+    return ""
 
 
 def hit_rate_over_time(src: Source, *, window_s: float | None = None) -> pd.DataFrame:
     """Per arrival window: window_start_s, num_requests, prompt_tokens, cached_tokens, token_hit_rate,
     request_hit_rate. ``window_s`` defaults to a twentieth of the run (at least 1 ms)."""
-    if window_s is not None and not (isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s > 0):
-        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+    check_window_s(window_s)
     c = col
     b = run_bounds(src)
     cols = ["window_start_s", "num_requests", "prompt_tokens", "cached_tokens", "token_hit_rate", "request_hit_rate"]

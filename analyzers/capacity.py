@@ -32,7 +32,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analyzers.groups import pct_name
+from analyzers.groups import check_window_s, pct_name
 from analyzers.latency import METRICS, itl_samples_sql, latency
 from analyzers.load import arrival_window
 from analyzers.slo import resolve_targets
@@ -62,8 +62,7 @@ _OK = int(RequestStatus.OK)
 
 
 def _check_window(window_s: float) -> int:
-    if not (isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s > 0):
-        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+    check_window_s(window_s)
     return max(1, int(round(window_s * 1e9)))
 
 

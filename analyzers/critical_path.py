@@ -1,11 +1,15 @@
 """The critical path of TTFT and the slowest requests with their breakdowns.
 
-Critical path: token 0's interval [arrival, first token] is tiled by its stage
-spans, so the ordered chain of those stages *is* the path to the first token.
+Critical path: token 0's interval [arrival, first visible content] (TTFT, as every
+analysis counts it) is tiled by the spans that count in it, clipped as the stage
+breakdown clips them (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`), so the
+ordered chain of those stages *is* the path to the first visible content.
 For a group of requests, each stage gets its mean time per request (requests
 without the stage count as 0), its share of the group's summed TTFT, and its
 mean start offset from arrival (over the requests that have it), which orders
-the chain. Groups: ``p50`` = the requests whose TTFT lies between the 45th and
+the chain. A stage counts only within the request's TTFT, and stages that claim the
+same time share it, so a group's shares sum to 100% and ``unattributed`` (what no
+stage covers) is never negative. Groups: ``p50`` = the requests whose TTFT lies between the 45th and
 55th percentile (at least the one nearest the median); ``p99`` = requests at
 or above the 99th percentile (at least the slowest one).
 """
@@ -15,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analyzers import facts
 from analyzers.source import Source
+from analyzers.stage_breakdown import request_stage_ns
 from analyzers.timing import E2E_NS, TPOT_NS, TTFT_NS, request_table
 from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
 
@@ -52,6 +56,7 @@ def critical_path(src: Source) -> pd.DataFrame:
     picked = {group: req[c.REQUEST_ID].to_numpy()[_pick(ttft, lo, hi)]
               for group, (lo, hi) in CRITICAL_PATH_GROUPS.items()}
     per = _first_token_stages(src, rf, np.unique(np.concatenate(list(picked.values()))))
+    per = _on_path(per, req.set_index(c.REQUEST_ID)[TTFT_NS])
     rows = []
     for group in CRITICAL_PATH_GROUPS:
         ids = picked[group]
@@ -59,8 +64,8 @@ def critical_path(src: Source) -> pd.DataFrame:
         total = float(ttft[np.isin(req[c.REQUEST_ID].to_numpy(), ids)].sum())
         agg = sel.groupby("stage").agg(ns=("ns", "sum"), offset=("offset_ns", "mean")).sort_values("offset")
         chain = [(Stage(int(s)).label, r["ns"], r["offset"]) for s, r in agg.iterrows()]
-        rest = total - float(agg["ns"].sum())
-        if abs(rest) > 0:
+        rest = max(total - float(agg["ns"].sum()), 0.0)  # _on_path keeps each request's stages within its TTFT
+        if rest > 0:
             chain.append((UNATTRIBUTED_LABEL, rest, np.nan))
         for pos, (label, ns, offset) in enumerate(chain):
             rows.append({"group": group, "position": pos, "stage": label, "mean_ms": ns / len(ids) / 1e6,
@@ -69,61 +74,57 @@ def critical_path(src: Source) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=_CP_COLUMNS)
 
 
+def _on_path(per: pd.DataFrame, ttft_ns: pd.Series) -> pd.DataFrame:
+    """Each request's token-0 stage time limited to its path to the first token: a stage counts only up to the
+    request's TTFT from where it starts (time after the first visible content is not on that path), and when the
+    stages still claim more than the TTFT (two of them claim the same time) each is scaled by TTFT / claimed, so
+    a request's stages never sum past its TTFT and the remainder (unattributed) is never negative."""
+    c = col
+    if per.empty:
+        return per
+    out = per.copy()
+    limit = out[c.REQUEST_ID].map(ttft_ns).astype(float).to_numpy()
+    room = np.clip(limit - out["offset_ns"].to_numpy(float), 0.0, None)
+    out["ns"] = np.minimum(out["ns"].to_numpy(float), room)
+    claimed = out.groupby(c.REQUEST_ID)["ns"].transform("sum").to_numpy(float)
+    scale = np.where(claimed > limit, limit / np.where(claimed > 0, claimed, 1.0), 1.0)
+    out["ns"] = out["ns"].to_numpy(float) * scale
+    return out
+
+
 def _first_token_stages(src: Source, rf: str, ids: np.ndarray) -> pd.DataFrame:
-    """Per request of ``ids`` (with a TTFT) and stage of its token-0 spans: request_id, stage, ns (their time
-    summed), offset_ns (the first one's start minus the request's arrival). Only the picked requests' spans
-    are read; from the run's derived per-request stage sums when it has them (:mod:`analyzers.facts`)."""
+    """Per request of ``ids`` (with a TTFT) and stage of the spans that count in its TTFT: request_id, stage, ns
+    (their clipped time summed), offset_ns (its earliest moment minus the request's arrival), from the per-request
+    stage sums
+    (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`)."""
     c = col
     src.register("cp_ids", pd.DataFrame({c.REQUEST_ID: ids.astype(np.int64)}))
     try:
-        derived = facts.view(src, "request_stage_ns")
-        if derived is None:
-            return src.df(f"""
-                SELECT s.{c.REQUEST_ID}, s.{c.STAGE} AS stage, SUM(s.{c.END_NS} - s.{c.START_NS})::DOUBLE AS ns,
-                       (MIN(s.{c.START_NS}) - MIN(f.{c.ARRIVAL_NS}))::DOUBLE AS offset_ns
-                FROM srv_spans s JOIN {rf} f USING ({c.REQUEST_ID})
-                WHERE s.{c.TOKEN_INDEX} = 0 AND f.{TTFT_NS} IS NOT NULL
-                  AND s.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM cp_ids)
-                GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}
-            """)
-        _, stages = facts.request_stage_layout(src, derived)
-        if not stages:
-            return pd.DataFrame(columns=[c.REQUEST_ID, "stage", "ns", "offset_ns"])
-        selects = []
-        for stage in stages:
-            ns, start = facts.first_stage_columns(stage)
-            selects.append(f"""
-                SELECT w.{c.REQUEST_ID}, {int(stage)} AS stage, w.{ns}::DOUBLE AS ns,
-                       (w.{start} - f.{c.ARRIVAL_NS})::DOUBLE AS offset_ns
-                FROM {derived} w JOIN {rf} f USING ({c.REQUEST_ID})
-                WHERE w.{ns} IS NOT NULL AND f.{TTFT_NS} IS NOT NULL
-                  AND w.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM cp_ids)""")
-        return src.df(" UNION ALL ".join(selects))
+        return src.df(f"""
+            SELECT w.{c.REQUEST_ID}, w.{c.STAGE} AS stage, SUM(w.first_ns)::DOUBLE AS ns,
+                   (MIN(w.first_start_ns) - MIN(f.{c.ARRIVAL_NS}))::DOUBLE AS offset_ns
+            FROM {request_stage_ns(src)} w JOIN {rf} f USING ({c.REQUEST_ID})
+            WHERE w.first_ns IS NOT NULL AND f.{TTFT_NS} IS NOT NULL
+              AND w.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM cp_ids)
+            GROUP BY w.{c.REQUEST_ID}, w.{c.STAGE}
+        """)
     finally:
         src.unregister("cp_ids")
 
 
 def _stage_ms(src: Source) -> pd.DataFrame:
-    """Per request of ``slow_ids`` and stage of its spans: request_id, stage, ms (their whole time summed)."""
+    """Per request of ``slow_ids`` and stage: request_id, stage, ms: the time its spans count in the request's token
+    intervals (clipped as the stage breakdown clips them, :data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`).
+    A span's time hidden behind an earlier token's delivery (a decode step's wait while the previous token is still
+    streamed) is no part of the request's latency, as in the breakdown."""
     c = col
-    derived = facts.view(src, "request_stage_ns")
-    if derived is None:
-        return src.df(f"""
-            SELECT {c.REQUEST_ID}, {c.STAGE} AS stage, SUM({c.END_NS} - {c.START_NS}) / 1e6 AS ms
-            FROM srv_spans WHERE {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids)
-            GROUP BY {c.REQUEST_ID}, {c.STAGE}
-        """)
-    combos, _ = facts.request_stage_layout(src, derived)
-    selects = []
-    for stage in sorted({st for st, _, _ in combos}):
-        names = [name for st, _, name in combos if st == stage]
-        total = " + ".join(f"COALESCE(w.{name}, 0)" for name in names)
-        present = " OR ".join(f"w.{name} IS NOT NULL" for name in names)
-        selects.append(f"SELECT w.{c.REQUEST_ID}, {int(stage)} AS stage, ({total}) / 1e6 AS ms FROM {derived} w "
-                       f"WHERE ({present}) AND w.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids)")
-    if not selects:
-        return pd.DataFrame(columns=[c.REQUEST_ID, "stage", "ms"])
-    return src.df(" UNION ALL ".join(selects))
+    known = ", ".join(str(int(st)) for st in Stage)
+    return src.df(f"""
+        SELECT {c.REQUEST_ID}, {c.STAGE} AS stage, SUM(ns) / 1e6 AS ms
+        FROM {request_stage_ns(src)}
+        WHERE {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM slow_ids) AND {c.STAGE} IN ({known})
+        GROUP BY {c.REQUEST_ID}, {c.STAGE} HAVING SUM(ns) > 0
+    """)
 
 
 def slowest_requests(src: Source, n: int = 10) -> pd.DataFrame:
@@ -131,8 +132,10 @@ def slowest_requests(src: Source, n: int = 10) -> pd.DataFrame:
 
     Columns: request_id, request_key, tenant_name, slo_class_name, ttft_ms,
     tpot_ms, e2e_ms, num_output_tokens, then one column per stage label
-    (ms summed over all the request's spans) and ``unattributed`` (e2e minus
-    those). Ordered by e2e_ms descending; ``ValueError`` if n < 1.
+    (ms its spans count in the request's token intervals, clipped as the stage
+    breakdown clips them, so a stage's share of E2E is read as the breakdown reads
+    it) and ``unattributed`` (e2e minus those). Ordered by e2e_ms descending;
+    ``ValueError`` if n < 1.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")

@@ -20,7 +20,7 @@ resampled on its own seeded stream, one per role (baseline, candidate), in reque
 and token order: the two runs independently of each other, the same two runs to the
 same intervals, and one run's side (:func:`run_bootstrap`) the same whatever it is
 compared with. So a finished run's side is computed once, when its analysis facts are
-saved (``run_bootstrap`` in ``<run>/_derived``), and a comparison of two such runs
+saved (the derived fact :data:`RUN_BOOTSTRAP`), and a comparison of two such runs
 only reads them. Stage means are ratio
 estimators over resampled requests (sum of stage time / number of tokens).
 p_value: two-sided, delta over the bootstrap standard error of delta (normal
@@ -46,17 +46,16 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from analyzers import facts
 from analyzers.source import Source
-from analyzers.stage_breakdown import ROW_OF_STAGE, STAGE_LABELS, token_spans
+from analyzers.stage_breakdown import ROW_OF_STAGE, STAGE_LABELS, request_stage_ns
 from analyzers.stats import holm, normal_p_value
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, token_times
-from tokentrace.schema import Stage, col
+from tokentrace.schema import Column, Stage, col
 
-__all__ = ["diff", "run_bootstrap", "bootstrap_fact", "DIFF_COLUMNS", "STATISTICS", "BOOTSTRAP_COLUMNS", "ROLES",
-           "BOOTSTRAP_FACT"]
+__all__ = ["diff", "run_values", "run_bootstrap", "DIFF_COLUMNS", "STATISTICS", "BOOTSTRAP_COLUMNS", "ROLES",
+           "RUN_BOOTSTRAP"]
 
 STATISTICS: dict[str, float | None] = {"mean": None, "p50": 50.0, "p90": 90.0, "p99": 99.0}
 DIFF_COLUMNS = ["metric", "statistic", "n_baseline", "n_candidate", "baseline", "candidate", "delta",
@@ -104,6 +103,26 @@ def _samples(src: Source) -> _RunSamples:
     return _RunSamples(per_request, itl, sums, counts)
 
 
+def run_values(src: Source) -> dict[tuple[str, str], tuple[int, float]]:
+    """One run's point values, no resampling: (metric, statistic) -> (sample size, value in ms), the rows of
+    :func:`diff` (latency statistics and stage means per token 0 / per later token). What a comparison of several
+    runs per side (:mod:`analyzers.compare`) tests at the level of runs."""
+    samples = _samples(src)
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        x = samples.itl if metric == "itl" else samples.per_request[metric]
+        x = x[np.isfinite(x)]
+        if x.size:
+            out.update({(metric, name): (int(x.size), float(_stat(x, q))) for name, q in STATISTICS.items()})
+    for kind in ("ttft", "itl"):
+        s, n = samples.stage_sum[kind], samples.stage_count[kind]
+        if n.sum() > 0:
+            value = s.sum(axis=0) / n.sum()
+            out.update({(f"stage.{label}.{kind}", "mean"): (int((n > 0).sum()), float(value[j]))
+                        for j, label in enumerate(STAGE_LABELS)})
+    return out
+
+
 def _positions(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ``values`` in the ascending unique ``ids``: (their positions, which values are there)."""
     at = np.searchsorted(ids, values).clip(max=max(len(ids) - 1, 0))
@@ -113,25 +132,19 @@ def _positions(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def _request_stage_ms(src: Source) -> list[tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]]:
     """Rows of (request id, whether the sums are of its first token) with, per stage, the ms of that stage's spans
-    inside those tokens' intervals: (request ids, first flags, {stage: ms}). From the derived per-token stage sums
-    when the run has them (one set of rows for every stage: the same integers summed, 0 where a request has no
-    span of the stage), else from every span (:func:`token_spans`; a set of rows per stage)."""
+    inside those tokens' intervals: (request ids, first flags, {stage: ms}), from the per-request stage sums
+    (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`: token 0's part, and the rest; 0 where a request has no
+    span of the stage)."""
     c = col
-    derived = facts.view(src, "token_stage_ns")
-    if derived is None:
-        per = src.df(f"""
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first, {c.STAGE} AS stage, SUM(ns) / 1e6 AS ms
-            FROM {token_spans(src)} GROUP BY ALL
-        """)
-        stage = per["stage"].to_numpy(int)
-        rid, is_first, ms = per[c.REQUEST_ID].to_numpy(), per["first"].to_numpy(bool), per["ms"].to_numpy(float)
-        return [(rid[stage == st], is_first[stage == st], {int(st): ms[stage == st]}) for st in np.unique(stage)]
-    columns = set(src.engine.columns(derived))
-    stages = [int(st) for st in Stage if facts.stage_column(st) in columns]
-    sums = "".join(f", SUM({facts.stage_column(st)}) / 1e6 AS ms_{st}" for st in stages)
-    wide = src.df(f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX} = 0 AS first{sums} FROM {derived} GROUP BY ALL")
-    return [(wide[c.REQUEST_ID].to_numpy(), wide["first"].to_numpy(bool),
-             {st: wide[f"ms_{st}"].to_numpy(float) for st in stages})]
+    first_ns = "COALESCE(first_ns, 0)"
+    ttft = "".join(f", SUM(CASE WHEN {c.STAGE} = {int(st)} THEN {first_ns} ELSE 0 END) / 1e6 AS t_{int(st)}"
+                   for st in Stage)
+    itl = "".join(f", SUM(CASE WHEN {c.STAGE} = {int(st)} THEN ns - {first_ns} ELSE 0 END) / 1e6 AS i_{int(st)}"
+                  for st in Stage)
+    wide = src.df(f"SELECT {c.REQUEST_ID}{ttft}{itl} FROM {request_stage_ns(src)} GROUP BY {c.REQUEST_ID}")
+    ids = wide[c.REQUEST_ID].to_numpy()
+    return [(ids, np.full(len(ids), first), {int(st): wide[f"{prefix}_{int(st)}"].to_numpy(float) for st in Stage})
+            for first, prefix in ((True, "t"), (False, "i"))]
 
 
 def _stat(x: np.ndarray, q: float | None, axis: int = -1) -> np.ndarray:
@@ -227,42 +240,49 @@ BOOTSTRAP_COLUMNS = ["metric", "statistic", "n", "value", "draws"]
 ROLES = ("baseline", "candidate")
 """A run's resamples are drawn from a stream of its role: a run compared with another (or with itself) is
 resampled independently of it, and its draws as baseline are the same whatever it is compared with."""
-BOOTSTRAP_FACT = "run_bootstrap"
 
 
 def run_bootstrap(src: Source, role: str, *, resamples: int = 1000, seed: int = 0,
                   max_units: int = 20_000) -> pd.DataFrame:
     """One run's side of :func:`diff`, as ``role`` (``"baseline"`` or ``"candidate"``): one row per metric and
     statistic it has samples of, with its sample size (``n``), ``value`` and the statistic of each of
-    ``resamples`` resamples (``draws``). The run's derived facts keep both roles' rows for the default
-    parameters (:data:`BOOTSTRAP_FACT`): then only they are read."""
+    ``resamples`` resamples (``draws``). With the default parameters both roles' rows are the derived fact
+    :data:`RUN_BOOTSTRAP` (saved with the run's facts)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    saved = facts.derived_file(src, BOOTSTRAP_FACT)
-    if saved is not None and saved.extra.get("parameters") == _parameters(resamples, seed, max_units):
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(saved.path)
-        frame = table.filter(pc.field("role") == role).select(BOOTSTRAP_COLUMNS).to_pandas()
-        frame["draws"] = [np.asarray(d, float) for d in frame["draws"]]
-        return frame
-    return _bootstrap(_samples(src), role, resamples=resamples, seed=seed, max_units=max_units)
+    if (resamples, seed, max_units) != _DEFAULTS:
+        return _bootstrap(_samples(src), role, resamples=resamples, seed=seed, max_units=max_units)
+    cols = ", ".join(BOOTSTRAP_COLUMNS)
+    table = src.arrow(f"SELECT {cols} FROM {facts.relation(src, RUN_BOOTSTRAP)} WHERE role = '{role}'")
+    frame = table.to_pandas()
+    frame["draws"] = [np.asarray(d, float) for d in frame["draws"]]
+    return frame
 
 
-def bootstrap_fact(src: Source) -> tuple[pa.Table, dict[str, str]]:
-    """The rows of :data:`BOOTSTRAP_FACT` (both roles, default parameters) and the metadata that names them."""
+_DEFAULTS = (1000, 0, 20_000)  # resamples, seed, max_units of run_bootstrap: those of the saved fact
+
+
+def _build_bootstrap(src: Source, table: str) -> None:
+    """Materialize :data:`RUN_BOOTSTRAP` (both roles, default parameters) as ``table``."""
     samples = _samples(src)
     frames = [_bootstrap(samples, role).assign(role=role) for role in ROLES]
     frame = pd.concat(frames, ignore_index=True)
-    table = pa.table({"role": frame["role"].tolist(), "metric": frame["metric"].tolist(),
-                      "statistic": frame["statistic"].tolist(), "n": pa.array(frame["n"], pa.int64()),
-                      "value": pa.array(frame["value"], pa.float64()),
-                      "draws": pa.array([np.asarray(d, float) for d in frame["draws"]], pa.list_(pa.float64()))})
-    return table, {"parameters": _parameters(1000, 0, 20_000)}
+    rows = pa.table({"role": frame["role"].tolist(), "metric": frame["metric"].tolist(),
+                     "statistic": frame["statistic"].tolist(), "n": pa.array(frame["n"], pa.int64()),
+                     "value": pa.array(frame["value"], pa.float64()),
+                     "draws": pa.array([np.asarray(d, float) for d in frame["draws"]], pa.list_(pa.float64()))},
+                    schema=RUN_BOOTSTRAP.schema)
+    src.register(table, rows)
 
 
-def _parameters(resamples: int, seed: int, max_units: int) -> str:
-    return f"resamples={int(resamples)},seed={int(seed)},max_units={int(max_units)}"
+RUN_BOOTSTRAP = facts.Fact(
+    "run_bootstrap", "The run's side of a comparison of two runs, as baseline and as candidate: per metric and "
+                     "statistic its sample size, value and 1,000 resampled values (run_bootstrap's defaults).",
+    (facts.text("role", "baseline or candidate."), facts.text("metric", "ttft, tpot, itl, e2e or a stage share."),
+     facts.text("statistic", "mean, p50, p90, p99 or share."), facts.i64("n", "Sample size."),
+     facts.f64("value", "The statistic over the samples."),
+     Column("draws", pa.list_(pa.float64()), "The statistic of each resample.")),
+    build=_build_bootstrap)
 
 
 def _bootstrap(samples: _RunSamples, role: str, *, resamples: int = 1000, seed: int = 0,

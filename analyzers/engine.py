@@ -12,7 +12,7 @@ Every analysis is written once, as DuckDB SQL over the views of
 
 :func:`open_engine` builds one by name. The interface is what the analyzers
 need and no more: run statements (temporary tables and views included), fetch a
-result as pandas, Arrow or one row, register an in-memory table, list a
+result as pandas (with ``?`` parameters), Arrow, a stream of Arrow batches or one row, register an in-memory table, list a
 relation's columns, and open a run's Parquet parts as a view.
 
 Both engines compute percentiles the same way: exact and linearly interpolated
@@ -47,14 +47,18 @@ class Engine(Protocol):
     def execute(self, sql: str) -> None:
         """Run one or more ``;``-separated statements (``CREATE [OR REPLACE] TEMP TABLE|VIEW``, ``DROP``, ...)."""
 
-    def df(self, sql: str) -> pd.DataFrame:
-        """The result of one query as a pandas DataFrame."""
+    def df(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
+        """The result of one query as a pandas DataFrame; ``params``: values of its ``?`` placeholders, in order."""
 
     def fetchone(self, sql: str) -> tuple[Any, ...] | None:
         """The first row of one query (``None`` when it has none)."""
 
     def arrow(self, sql: str) -> pa.Table:
         """The result of one query as an Arrow table."""
+
+    def arrow_stream(self, sql: str, batch_rows: int) -> pa.RecordBatchReader:
+        """The result of one query as a stream of record batches (at most ``batch_rows`` rows each), for writing
+        a result bigger than memory."""
 
     def register(self, name: str, table: pa.Table | pd.DataFrame) -> None:
         """Make an in-memory table queryable as ``name`` (replacing one of that name)."""
@@ -94,8 +98,8 @@ class DuckDBEngine:
     def execute(self, sql: str) -> None:
         self.con.execute(sql)
 
-    def df(self, sql: str) -> pd.DataFrame:
-        return self.con.execute(sql).df()
+    def df(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
+        return (self.con.execute(sql, list(params)) if params else self.con.execute(sql)).df()
 
     def fetchone(self, sql: str) -> tuple[Any, ...] | None:
         rows = self.con.execute(sql).fetchall()  # read to the end: the connection then takes other work
@@ -103,6 +107,10 @@ class DuckDBEngine:
 
     def arrow(self, sql: str) -> pa.Table:
         return self.con.sql(sql).to_arrow_table()
+
+    def arrow_stream(self, sql: str, batch_rows: int) -> pa.RecordBatchReader:
+        self.con.execute("SELECT 1").fetchall()  # finishes a result a previous query left open, which blocks streaming
+        return self.con.sql(sql).to_arrow_reader(batch_rows)
 
     def register(self, name: str, table: pa.Table | pd.DataFrame) -> None:
         self.con.register(name, table)

@@ -1,142 +1,272 @@
-"""A run's derived facts read back from its ``_derived`` folder instead of derived again.
+"""Derived facts: the relations every analysis starts from, each declared once and read through one door.
 
-The per-token and per-request facts every analysis shares (:mod:`analyzers.timing`),
-the per-token stage sums and coverage (:mod:`analyzers.stage_breakdown`,
-:mod:`analyzers.attribution`) are what a cold analysis of a big run spends most of
-its time on. :mod:`analyzers.derivation` writes them next to the run
-(:mod:`tokentrace.store.derived`), stamped with the fingerprint of the part files
-they came from; a :class:`~analyzers.source.Source` opened on the run looks them up
-once (:func:`attach`) and each fact's builder then reads the file in place
-(:func:`view`: DuckDB reads only the columns a query needs) instead of deriving it. A stale or missing file
-changes nothing: the builders derive from the raw tables as before.
+A derived fact is a table computed from a run's store tables that several analyses
+share (per-token times, per-request latencies, per-token stage sums, ...). Each is
+declared once, as a :class:`Fact`: its name, its columns (the schema, in the style of
+:mod:`tokentrace.schema`: name, Arrow type, meaning) and how it is built from the
+run's tables (a SQL ``SELECT`` over the views of :class:`~analyzers.source.Source`,
+or a function that materializes it). The declaration lives beside the analysis that
+owns the concept (``analyzers.timing.TOKEN_TIMES``); the registry of every fact is
+:data:`analyzers.derivation.FACTS`.
 
-The facts, each named like the temporary table it stands for (:data:`DERIVED_FACTS`):
+:func:`relation` is the one door: it returns the name of a relation holding the fact's
+rows, whatever their origin:
 
-* ``token_times``, ``token_steps``, ``request_facts``: exactly the tables
-  :func:`analyzers.timing.token_times`, :func:`~analyzers.timing.token_steps` and
-  :func:`~analyzers.timing.request_table` build;
-* ``token_stage_ns``: one row per delivered token: request_id, token_index,
-  latency_ns, stage_ns, covered_ns (as :func:`analyzers.attribution.token_coverage`)
-  and one ``stage_<id>_ns`` column per stage the run's spans have (each token's
-  spans of that stage clipped to its interval and summed, as
-  :func:`analyzers.stage_breakdown.token_spans`);
-* ``request_stage_ns``: one row per request with server spans: request_id, then
-  ``stage_<id>_role_<role>_ns`` per (stage, role of the recording instance) the run
-  has, the request's spans of that stage from instances of that role summed whole
-  (null when it has none; role ``none`` for an instance missing from ``instances``),
-  and per stage its token-0 spans have, ``first_stage_<id>_ns`` (their time summed)
-  and ``first_stage_<id>_start_ns`` (the first one's start). What the load, cache,
-  critical-path and slowest-request analyses sum per request;
-* ``request_compute_ns``: request_id, compute_ns: the request's share of the engine
-  steps it was in, summed (:func:`analyzers.tenants.compute_rows_sql`);
-* ``decode_token_steps``: every delivered token i >= 1 with the step that produced it
-  (:func:`analyzers.batch.decode_token_steps_sql`);
-* ``request_reported_tokens``: request_id, reported: the most output tokens a server
-  row of the request reported (:func:`analyzers.slo.reported_tokens_sql`);
-* ``token_groups``: every delivered token of a request with a first token, with its
-  latency and its request's arrival, tenant, class and instance (what a grouped latency
-  table groups its ITL samples by; :func:`analyzers.latency.token_groups_sql`);
-* ``spec_step_rows``: every ``spec_steps`` row with its proposals, accepted prefix, token
-  range, phase times, the tokens it emitted and its step time
-  (:func:`analyzers.spec_rows.spec_step_rows_sql`);
-* ``spec_decode_tokens``: every delivered decode token with its mode (speculative or plain),
-  whether it carries its step, its batch size and step time, and whether its step had
-  speculating requests (:func:`analyzers.spec_rows.decode_tokens_sql`); empty for a run that
-  never speculated (nothing reads it then).
-* ``run_bootstrap``: the run's side of a comparison of two runs, as baseline and as candidate: per
-  metric and statistic its sample size, value and 1,000 resampled values
-  (:func:`analyzers.diff.run_bootstrap` with its default parameters, kept in the file's metadata).
+* the run's saved copy, ``<run>/_derived/<fact>.parquet``
+  (:mod:`tokentrace.store.derived`), when it is current: written by
+  :func:`analyzers.derivation.derive` for exactly the run's part files (their
+  fingerprint), for this code (:func:`format_key`) and with the fact's declared
+  columns (:meth:`Fact.signature`), its bytes checked against their digest the first
+  time the door opens it (only the files an analysis reads are hashed); a stale,
+  foreign or corrupted file is never read;
+* else the fact built now, as a temporary table of the source's engine.
+
+Both hold the declared columns with the declared types (the saved file is written from
+the relation this door builds), so an analysis has one code path and cannot tell
+where its rows came from, only that they came sooner. The door is looked up once per
+source and fact.
+
+:func:`rows_for` is the same door for some of a fact's rows: those whose key columns
+(:attr:`Fact.keys`) are in a relation the analysis holds (the tail tokens of a
+breakdown, say). From the saved file, or from the fact built already, they are read
+through :func:`relation`; otherwise a fact that declares ``select_only`` builds just
+those rows (a per-token fact over a few thousand tokens costs a fraction of the
+whole), and any other fact is built whole first. The rows are the same either way.
+:func:`relation_and_rows` opens one fact and some rows of another through one pass
+over the run's tables when the first declares how (:attr:`Fact.rows_along`: the
+per-request stage sums and the tail tokens' per-token sums of a breakdown).
 
 This module imports no analysis (so the source and every analysis may import it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from tokentrace.schema import SCHEMA_VERSION, Stage
-from tokentrace.store.derived import DerivedFile, parts_fingerprint, read_derived
+import pyarrow as pa
 
-__all__ = ["DERIVED_FACTS", "FORMAT_VERSION", "format_key", "attach", "derived_file", "view",
-           "stage_column", "request_stage_column", "first_stage_columns", "request_stage_layout",
-           "STAGE_COLUMN_PREFIX", "ONE_ROW_PER_TOKEN"]
+from tokentrace.schema import SCHEMA_VERSION, Column, Stage
+from tokentrace.store.derived import DerivedFile, read_derived
 
-DERIVED_FACTS: tuple[str, ...] = ("token_times", "token_steps", "request_facts", "token_stage_ns",
-                                  "request_stage_ns", "request_compute_ns", "decode_token_steps",
-                                  "request_reported_tokens", "token_groups", "spec_step_rows",
-                                  "spec_decode_tokens", "run_bootstrap")
-"""The facts :mod:`analyzers.derivation` writes, in the order it derives them."""
+__all__ = ["Fact", "FORMAT_VERSION", "format_key", "saved_metadata", "attach", "relation", "rows_for",
+           "relation_and_rows", "stream_rows",
+           "read_from",
+           "is_at_hand", "is_saved", "i64", "i32", "i8", "f64", "text", "boolean", "SQL_TYPES"]
 
-FORMAT_VERSION = 1
-"""Bump when what a fact holds changes: files of another version are stale."""
+FORMAT_VERSION = 3
+"""Bump when what a fact means changes while its columns stay (a new definition of a token's interval): files
+of another version are stale. A change of a fact's declared columns changes :func:`format_key` by itself."""
 
-ONE_ROW_PER_TOKEN = "one_row_per_token"
-"""Extra metadata of ``token_times``: ``"1"`` when one server process recorded each token once."""
+_FILES_KEY = "saved_facts"  # Source cache key: fact name -> DerivedFile of the run's current saved facts
+_SIGNATURE_KEY = "signature"  # extra metadata of a saved fact: Fact.signature()
 
-STAGE_COLUMN_PREFIX = "stage_"
-_FILES_KEY = "derived_files"  # Source cache key: name -> DerivedFile of the run's current facts
+SQL_TYPES: dict[pa.DataType, str] = {pa.int8(): "TINYINT", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
+                                     pa.float64(): "DOUBLE", pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN",
+                                     pa.list_(pa.float64()): "DOUBLE[]"}
+"""Arrow type of a fact column -> the SQL type it is cast to (DuckDB's names; Spark's engine translates)."""
+
+
+def i64(name: str, doc: str) -> Column:
+    """A 64-bit integer column of a fact."""
+    return Column(name, pa.int64(), doc)
+
+
+def i32(name: str, doc: str) -> Column:
+    return Column(name, pa.int32(), doc)
+
+
+def i8(name: str, doc: str) -> Column:
+    return Column(name, pa.int8(), doc)
+
+
+def f64(name: str, doc: str) -> Column:
+    return Column(name, pa.float64(), doc)
+
+
+def text(name: str, doc: str) -> Column:
+    return Column(name, pa.string(), doc)
+
+
+def boolean(name: str, doc: str) -> Column:
+    return Column(name, pa.bool_(), doc)
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """One derived fact: its name, its columns and how it is built from a run's tables.
+
+    ``select(src)``: a SQL ``SELECT`` of its rows over the source's views (it may run other facts' doors first).
+    ``build(src, table)``, instead of ``select``: materializes the rows as temporary table ``table`` (at least
+    the declared columns, in their types) when a plain ``SELECT`` would cost a second pass.
+    ``keys``: the declared columns that identify a row (what :func:`rows_for` selects rows by).
+    ``select_only(src, keys)``: a SQL ``SELECT`` of just the rows whose ``keys`` are in relation ``keys`` (distinct
+    key tuples, maybe other columns): the same rows as ``select`` gives for them, built without the others.
+    ``rows_along``: ``(other, build_both)`` when one pass over the run's tables can build this fact and some rows
+    of fact ``other``: ``build_both(src, table, keys, rows)`` materializes this fact as temporary table ``table``
+    and ``other``'s rows for the keys in relation ``keys`` (those :func:`rows_for` gives) as temporary table
+    ``rows`` (:func:`relation_and_rows`).
+    """
+
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+    select: Callable[[Any], str] | None = None
+    build: Callable[[Any, str], None] | None = None
+    keys: tuple[str, ...] = ()
+    select_only: Callable[[Any, str], str] | None = None
+    rows_along: "tuple[Fact, Callable[[Any, str, str, str], None]] | None" = None
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"a fact's name must be an identifier, got {self.name!r}")
+        if (self.select is None) == (self.build is None):
+            raise ValueError(f"fact {self.name}: give exactly one of select, build")
+        unknown = [c.name for c in self.columns if c.type not in SQL_TYPES]
+        if unknown:
+            raise ValueError(f"fact {self.name}: no SQL type for column(s) {', '.join(unknown)}")
+        if not set(self.keys) <= set(self.names):
+            raise ValueError(f"fact {self.name}: keys {self.keys} are not all declared columns")
+        if self.select_only is not None and not self.keys:
+            raise ValueError(f"fact {self.name}: select_only needs keys")
+        if self.rows_along is not None and not self.rows_along[0].keys:
+            raise ValueError(f"fact {self.name}: rows_along needs a fact with keys")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The declared column names, in order."""
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The fact's Arrow schema (each field with its doc)."""
+        return pa.schema([c.field() for c in self.columns])
+
+    def rows_sql(self, relation_name: str) -> str:
+        """SELECT of the declared columns of ``relation_name``, each cast to its declared type."""
+        return "SELECT " + ", ".join(f"CAST({c.name} AS {SQL_TYPES[c.type]}) AS {c.name}" for c in self.columns) \
+            + f" FROM {relation_name}"
+
+    def materialize(self, src: Any, table: str) -> None:
+        """Build the fact now from the run's tables, as temporary table ``table`` of ``src``'s engine."""
+        if self.build is not None:
+            self.build(src, table)
+            return
+        assert self.select is not None
+        src.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS {self.rows_sql(f'({self.select(src)})')}")
+
+    def signature(self) -> str:
+        """A digest of the name and the declared columns with their types (a saved file must have the same)."""
+        text = self.name + "(" + ",".join(f"{c.name}:{c.type}" for c in self.columns) + ")"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def format_key() -> str:
-    """What this code derives: the facts' version, the schema version and every stage id it knows."""
+    """What this code derives: the facts' version, the schema version and every stage id it knows. (Each saved
+    file also carries its fact's :meth:`Fact.signature`: a fact whose declared columns changed is not read.)"""
     return f"{FORMAT_VERSION}/{SCHEMA_VERSION}/" + ",".join(str(int(s)) for s in Stage)
 
 
-def stage_column(stage: int) -> str:
-    """The ``token_stage_ns`` column of a stage id: ``stage_<id>_ns``."""
-    return f"{STAGE_COLUMN_PREFIX}{int(stage)}_ns"
-
-
-def request_stage_column(stage: int, role: int | None) -> str:
-    """The ``request_stage_ns`` column of the spans of ``stage`` recorded by instances of ``role``."""
-    return f"{STAGE_COLUMN_PREFIX}{int(stage)}_role_{'none' if role is None else int(role)}_ns"
-
-
-def first_stage_columns(stage: int) -> tuple[str, str]:
-    """The ``request_stage_ns`` columns of a stage's token-0 spans: (summed time, first start)."""
-    return f"first_{STAGE_COLUMN_PREFIX}{int(stage)}_ns", f"first_{STAGE_COLUMN_PREFIX}{int(stage)}_start_ns"
-
-
-def request_stage_layout(src: Any, relation: str) -> tuple[list[tuple[int, int | None, str]], list[int]]:
-    """The columns of a ``request_stage_ns`` relation: [(stage, role or None, column)] and the stages with
-    token-0 columns."""
-    combos, first = [], []
-    for name in src.engine.columns(relation):
-        parts = name.split("_")
-        if len(parts) == 5 and parts[0] == "stage" and parts[2] == "role" and parts[4] == "ns" and parts[1].isdigit():
-            combos.append((int(parts[1]), None if parts[3] == "none" else int(parts[3]), name))
-        elif len(parts) == 4 and parts[:2] == ["first", "stage"] and parts[3] == "ns" and parts[2].isdigit():
-            first.append(int(parts[2]))
-    return combos, first
+def saved_metadata(fact: Fact) -> dict[str, str]:
+    """The extra metadata a saved file of ``fact`` is written with (what :func:`relation` checks it by)."""
+    return {_SIGNATURE_KEY: fact.signature()}
 
 
 def attach(src: Any, run: Any) -> None:
-    """Look up the run's current derived facts once, for the builders of ``src`` (a Source on ``run``).
+    """Look up the run's current saved facts once (:meth:`tokentrace.store.reader.Run.fingerprint`,
+    :func:`format_key`), for the door of ``src`` (a Source on ``run``).
 
-    Never raises for a missing, stale or unreadable folder: the source then derives everything itself.
+    Never raises for a missing, stale or unreadable folder: every fact is then built now.
     """
-    path = getattr(run, "path", None)
     files: dict[str, DerivedFile] = {}
-    if path is not None:
+    if getattr(run, "path", None) is not None:
         try:
-            files = read_derived(path, parts_fingerprint(path), format_key())
+            files = read_derived(run.path, run.fingerprint(), format_key(), verify=False)  # checked when opened
         except OSError:
             files = {}
     src.cached(_FILES_KEY, lambda: files)
 
 
-def derived_file(src: Any, name: str) -> DerivedFile | None:
-    """The current derived file of fact ``name`` for this source, or ``None`` (none, stale, in-memory source)."""
-    return src.cached(_FILES_KEY, dict).get(name)
+def relation(src: Any, fact: Fact) -> str:
+    """The one door: name of a relation of ``src``'s engine holding ``fact``'s rows (declared columns), read from
+    the run's current saved file or built now (then kept as a temporary table for the source's lifetime)."""
+    def open_() -> str:
+        saved = _saved(src, fact)
+        if saved is not None:
+            view = f"saved_{fact.name}"
+            src.engine.parquet_view(view, [([saved.path.as_posix()], {})])
+            return view
+        fact.materialize(src, fact.name)
+        return fact.name
+    return src.cached(_door_key(fact), open_)
 
 
-def view(src: Any, name: str) -> str | None:
-    """Name of a view over the derived file of ``name`` (``derived_<name>``), or ``None`` without one."""
-    found = derived_file(src, name)
-    if found is None:
+def rows_for(src: Any, fact: Fact, keys: str) -> str:
+    """The door for some rows: a SQL ``SELECT`` of ``fact``'s declared columns for the rows whose :attr:`Fact.keys`
+    are in relation ``keys`` (distinct key tuples; other columns are ignored). Read from :func:`relation` when it
+    costs nothing more (:func:`is_at_hand`) or the fact cannot build just those rows; else built for them only
+    (``select_only``, not kept: the next call builds again)."""
+    if not fact.keys:
+        raise ValueError(f"fact {fact.name} declares no keys")
+    if fact.select_only is not None and not is_at_hand(src, fact):
+        return fact.rows_sql(f"({fact.select_only(src, keys)})")
+    on = " AND ".join(f"k.{name} = w.{name}" for name in fact.keys)
+    return (f"SELECT {', '.join(f'w.{name}' for name in fact.names)} "
+            f"FROM {relation(src, fact)} w JOIN {keys} k ON {on}")
+
+
+def relation_and_rows(src: Any, fact: Fact, other: Fact, keys: str) -> tuple[str, str]:
+    """:func:`relation` of ``fact`` and :func:`rows_for` of ``other`` for the keys in relation ``keys``, the same
+    rows; built in one pass over the run's tables when neither fact is at hand (:func:`is_at_hand`) and ``fact``
+    declares how (:attr:`Fact.rows_along`), else each through its own door."""
+    along = fact.rows_along
+    if along is None or along[0] is not other or is_at_hand(src, fact) or is_at_hand(src, other):
+        return relation(src, fact), rows_for(src, other, keys)
+    rows = f"{other.name}_rows"  # replaced by the next call (a rows_for result is not kept either)
+
+    def open_() -> str:
+        along[1](src, fact.name, keys, rows)
+        return fact.name
+    return src.cached(_door_key(fact), open_), other.rows_sql(rows)
+
+
+def stream_rows(src: Any, fact: Fact, batch_rows: int) -> Any:
+    """``fact``'s declared columns as a stream of record batches: from its relation when the source has opened
+    it already, else straight from its query (a fact with a ``select`` is then not materialized first)."""
+    if fact.select is not None and not src.is_cached(_door_key(fact)) and _saved(src, fact) is None:
+        return src.arrow_stream(fact.rows_sql(f"({fact.select(src)})"), batch_rows)
+    return src.arrow_stream(fact.rows_sql(relation(src, fact)), batch_rows)
+
+
+def read_from(src: Any, fact: Fact, path: Any) -> None:
+    """From now on, ``src``'s door gives ``fact``'s rows from the Parquet file at ``path`` (just written from them)."""
+    def open_() -> str:
+        view = f"saved_{fact.name}"
+        src.engine.parquet_view(view, [([path.as_posix()], {})])
+        return view
+    if not src.is_cached(_door_key(fact)):
+        src.cached(_door_key(fact), open_)
+
+
+def is_at_hand(src: Any, fact: Fact) -> bool:
+    """True when :func:`relation` of ``fact`` costs nothing more: saved, or built already for this source."""
+    return is_saved(src, fact) or src.is_cached(_door_key(fact))
+
+
+def is_saved(src: Any, fact: Fact) -> bool:
+    """True when the run has a current saved copy of ``fact`` (what :func:`relation` then reads)."""
+    return _saved(src, fact) is not None
+
+
+def _saved(src: Any, fact: Fact) -> DerivedFile | None:
+    """The run's saved file of ``fact``: current for its part files and this code, with the declared columns, and
+    its bytes those it was written with (checked once per source, the first time the door asks for it)."""
+    found = src.cached(_FILES_KEY, dict).get(fact.name)
+    if found is None or found.extra.get(_SIGNATURE_KEY) != fact.signature():
         return None
+    return found if src.cached(f"intact:{fact.name}", found.is_intact) else None
 
-    def build() -> str:
-        src.engine.parquet_view(f"derived_{name}", [([found.path.as_posix()], {})])
-        return f"derived_{name}"
-    return src.cached(f"derived_view_{name}", build)
+
+def _door_key(fact: Fact) -> str:
+    return f"fact:{fact.name}"

@@ -34,13 +34,19 @@ def pct_name(p: float, unit: str = "ms") -> str:
     return f"p{p:g}_{unit}"
 
 
+def check_window_s(window_s: float | None) -> None:
+    """``ValueError`` unless ``window_s`` is None or a positive, finite number of seconds (a time window)."""
+    if window_s is not None and not (isinstance(window_s, (int, float)) and not isinstance(window_s, bool)
+                                     and math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+
+
 def group_column(by: str | None, window_s: float | None) -> str | None:
     """The result column a grouping produces, or None for no grouping. ``ValueError`` on bad input."""
     if by is not None and window_s is not None:
         raise ValueError("group either by a key (by=...) or by time window (window_s=...), not both")
     if window_s is not None:
-        if not (isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s > 0):
-            raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+        check_window_s(window_s)
         return WINDOW_START
     if by is None:
         return None

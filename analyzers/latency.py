@@ -21,7 +21,7 @@ from analyzers import facts
 from analyzers.groups import PERCENTILES, group_column, group_sql, pct_name, percentile_or_nan
 from analyzers.source import Source
 from analyzers.timing import E2E_NS, LATENCY, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
-from tokentrace.schema import col
+from tokentrace.schema import REQUESTS, TOKENS, col
 
 __all__ = ["PERCENTILES", "METRICS", "latency", "latency_summary", "summarize", "itl_samples_sql",
            "token_groups_sql"]
@@ -56,16 +56,18 @@ def latency(src: Source, *, by: str | None = None, window_s: float | None = None
         FROM s GROUP BY grp, metric
     """)
     groups = sorted(df["grp"].unique().tolist()) if gcol is not None else [0]
+    found = {(grp, metric): (count, mean, q) for grp, metric, count, mean, q
+             in zip(df["grp"], df["metric"], df["count"], df["mean_ms"], df["q"])}  # one pass: 10 000 tenants
     rows = []
     for grp in groups:
         for metric in METRICS:
-            hit = df[(df["grp"] == grp) & (df["metric"] == metric)]
+            hit = found.get((grp, metric))
             row: dict[str, object] = {} if gcol is None else {gcol: grp}
             row["metric"] = metric
-            if len(hit):
-                r = hit.iloc[0]
-                row.update(count=int(r["count"]), mean_ms=float(r["mean_ms"]))
-                row.update({pct_name(p): float(q) for p, q in zip(percentiles, r["q"])})
+            if hit is not None:
+                count, mean, q = hit
+                row.update(count=int(count), mean_ms=float(mean))
+                row.update({pct_name(p): float(v) for p, v in zip(percentiles, q)})
             else:
                 row.update(count=0, mean_ms=float("nan"))
                 row.update({pct_name(p): float("nan") for p in percentiles})
@@ -78,16 +80,13 @@ def itl_samples_sql(src: Source, tt: str, group: str) -> str:
     request facts ``f`` (with their ``grp``; ``group`` is its expression over them). Without a grouping
     (``group`` is ``"0"``) the tokens are not joined to ``f``: every token of the token times belongs to a
     request with a first token (the facts' first token time is their earliest delivery), so the join would keep
-    every row. With the run's derived ``token_groups`` (each token with its request's grouping columns,
-    :func:`token_groups_sql`) the group is read there instead of joined."""
+    every row. With one, the group is read from :data:`TOKEN_GROUPS` (each token with its request's grouping
+    columns) as ``f``."""
     c = col
     if group == "0":
         return f"SELECT 0 AS grp, 'itl', {LATENCY} / 1e6 FROM {tt} WHERE {c.TOKEN_INDEX} > 0"
-    derived = facts.view(src, "token_groups")
-    if derived is not None:
-        return f"SELECT {group} AS grp, 'itl', f.{LATENCY} / 1e6 FROM {derived} f WHERE f.{c.TOKEN_INDEX} > 0"
-    return (f"SELECT f.grp, 'itl', t.{LATENCY} / 1e6 FROM {tt} t JOIN f USING ({c.REQUEST_ID}) "
-            f"WHERE t.{c.TOKEN_INDEX} > 0")
+    rows = facts.relation(src, TOKEN_GROUPS)
+    return f"SELECT {group} AS grp, 'itl', f.{LATENCY} / 1e6 FROM {rows} f WHERE f.{c.TOKEN_INDEX} > 0"
 
 
 def token_groups_sql(src: Source) -> str:
@@ -116,3 +115,13 @@ def summarize(samples: dict[str, np.ndarray], percentiles: tuple[float, ...] = P
 def latency_summary(requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
     """One row per metric (ttft, tpot, itl, e2e): count, mean and p50/p90/p99/p99.9 in ms."""
     return latency(Source.of_tables(requests=requests, tokens=tokens, instances=instances))
+
+
+TOKEN_GROUPS = facts.Fact(
+    "token_groups", "Every delivered token of a request with a first token, with its latency and its request's "
+                    "columns a grouping reads.",
+    (TOKENS.column(col.REQUEST_ID), TOKENS.column(col.TOKEN_INDEX),
+     facts.i64(LATENCY, "The token's latency (TTFT for token 0, else ITL); ns."),
+     REQUESTS.column(col.ARRIVAL_NS), REQUESTS.column(col.TENANT), REQUESTS.column(col.SLO_CLASS),
+     facts.i64(col.INSTANCE_ID, "The request's instance (analyzers.timing.request_table).")),
+    select=token_groups_sql)

@@ -27,7 +27,7 @@ Symptoms of arrivals outrunning service:
 
 ``saturated`` = arrivals outrun service and at least one symptom shows (waiting
 grows, a pool's queue grows, a pool is busy); ``None`` (not judged) with fewer than
-``MIN_REQUESTS`` arrivals or no served rate. The pool that saturates: the pool whose
+``MIN_REQUESTS`` arrivals, an arrival window under ``MIN_WINDOW_S`` or no served rate. The pool that saturates: the pool whose
 queue grew most (when one grew), else the pool whose instances recorded the stage
 whose time per request grew most (``stages``), else the busiest pool if busy. The
 stage: the stage (and role) whose time per request grew most, at least ``GROWTH_MIN_MS``.
@@ -42,17 +42,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analyzers import facts
 from analyzers.source import Source
+from analyzers.stage_breakdown import request_stage_ns
 from analyzers.stats import spearman
 from analyzers.timing import LAST_TOKEN, request_table
 from tokentrace.schema import RequestStatus, Role, Stage, col
 
-__all__ = ["LoadReport", "RATE_MARGIN", "MIN_REQUESTS", "TREND_MIN", "GROWTH_MIN_MS", "QUEUE_GROWTH_MIN",
-           "BUSY_MIN", "UNKNOWN_ROLE", "arrival_window", "pool_load", "stage_growth", "load"]
+__all__ = ["LoadReport", "RATE_MARGIN", "MIN_REQUESTS", "MIN_WINDOW_S", "TREND_MIN", "GROWTH_MIN_MS", "QUEUE_GROWTH_MIN",
+           "BUSY_MIN", "UNKNOWN_ROLE", "arrival_window", "pool_load", "stage_growth", "load", "cached_load"]
 
 RATE_MARGIN = 0.10  # arrivals outrun service at offered >= 1.1 x served
 MIN_REQUESTS = 10  # fewer arrivals than this: no verdict
+MIN_WINDOW_S = 0.5  # arrivals spread over less than this (s): no verdict (thirds of a burst say nothing of a trend)
 TREND_MIN = 0.5  # Spearman correlation of time in system with arrival time
 GROWTH_MIN_MS = 10.0  # late-third median minus early-third median, ms
 QUEUE_GROWTH_MIN = 1.0  # requests in an instance, late third minus early third
@@ -83,15 +84,18 @@ class LoadReport:
         return self.summary.iloc[0].to_dict()
 
 
+_WORKER_ROLE = {(int(Stage.TRANSFER_KV), int(Role.GATEWAY)): int(Role.PREFILL)}
+"""(stage, role that recorded it) -> the role whose work it is, where the two differ: of a KV transfer, the prefill
+worker records its own sending and the decode worker its receiving, while the gateway times the flight between
+them (from the first chunk's write to the decode worker reading it: only it knows both workers' clocks); that
+piece is counted with the sending prefill pool's transfer."""
+
+
 def arrival_window(src: Source) -> tuple[int, int, int] | None:
     """(first arrival, last arrival, number of arrivals), ns on the reference clock; None without arrivals."""
-    # Each request's arrival as in the per-request facts (its earliest server-side row), without building
-    # them all when they are not there yet.
-    have_facts = src.is_cached("request_facts") or facts.derived_file(src, "request_facts") is not None
-    arrivals = (request_table(src) if have_facts else
-                f"(SELECT MIN({col.ARRIVAL_NS}) AS {col.ARRIVAL_NS} FROM srv_requests GROUP BY {col.REQUEST_ID})")
+    # Each request's arrival as in the per-request facts: its earliest server-side row.
     row = src.fetchone(f"SELECT MIN({col.ARRIVAL_NS}), MAX({col.ARRIVAL_NS}), COUNT({col.ARRIVAL_NS}) "
-                       f"FROM {arrivals}")
+                       f"FROM {request_table(src)}")
     if row is None or row[0] is None:
         return None
     return int(row[0]), int(row[1]), int(row[2])
@@ -165,32 +169,35 @@ def pool_load(src: Source, window: tuple[int, int]) -> pd.DataFrame:
 
 
 def stage_growth(src: Source, window: tuple[int, int]) -> pd.DataFrame:
-    """Per stage and recording role: mean time per request (ms) of early and late arrivals, and the growth.
+    """Per stage and role (of the process that recorded it, or whose work it is: :data:`_WORKER_ROLE`): mean time
+    per request (ms) of early and late arrivals, and the growth.
 
-    Requests with at least one span count; a request without a span of a stage counts 0 ms for it.
-    Ordered by growth, largest first.
+    A stage's time in a request is what its spans count in the request's token intervals, clipped as the stage
+    breakdown clips them (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`), so a request's stage times add up
+    to its latency as in the breakdown and the slowest requests (a decode worker's wait hidden behind an earlier
+    token's delivery is not counted twice). Requests with at least one span count; a request without a span of
+    a stage counts 0 ms for it. Ordered by growth, largest first.
     """
     c = col
     a0, a1 = window
     if a1 <= a0:
         return pd.DataFrame(columns=STAGE_COLUMNS)
     early_end, late_start = _thirds(a0, a1)
-    # Two passes over the spans, neither grouped per request: the span time of each (stage, role, part), and
-    # how many of each part's requests have a span at all (a semi-join on the spans' request ids).
+    # Two passes over the per-request stage sums: the span time of each (stage, role, part), and how many of
+    # each part's requests have a span at all (a semi-join on their request ids).
     req = f"""
         SELECT {c.REQUEST_ID}, CASE WHEN {c.ARRIVAL_NS} < {early_end} THEN 'early'
                                     WHEN {c.ARRIVAL_NS} >= {late_start} THEN 'late' END AS part
         FROM {request_table(src)} WHERE {c.ARRIVAL_NS} IS NOT NULL"""
-    derived = facts.view(src, "request_stage_ns")
-    df = _stage_part_ms(src, req, derived) if derived is not None else src.df(f"""
+    df = src.df(f"""
         WITH req AS ({req}),
         counted AS (
-            SELECT part, COUNT(*) AS n FROM req
-            WHERE part IS NOT NULL AND {c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM srv_spans)
-            GROUP BY part
+            SELECT r.part, COUNT(*) AS n FROM req r
+            WHERE r.part IS NOT NULL AND r.{c.REQUEST_ID} IN (SELECT {c.REQUEST_ID} FROM {request_stage_ns(src)})
+            GROUP BY r.part
         ), summed AS (
-            SELECT s.{c.STAGE}, i.{c.ROLE} AS role_id, r.part, SUM(s.{c.END_NS} - s.{c.START_NS}) AS ns
-            FROM srv_spans s JOIN req r USING ({c.REQUEST_ID}) LEFT JOIN instances i USING ({c.INSTANCE_ID})
+            SELECT w.{c.STAGE}, w.{c.ROLE} AS role_id, r.part, SUM(w.ns) AS ns
+            FROM {request_stage_ns(src)} w JOIN req r USING ({c.REQUEST_ID})
             WHERE r.part IS NOT NULL GROUP BY ALL
         )
         SELECT su.{c.STAGE}, su.role_id, su.part, su.ns::DOUBLE / k.n / 1e6 AS ms
@@ -199,7 +206,8 @@ def stage_growth(src: Source, window: tuple[int, int]) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=STAGE_COLUMNS)
     df["stage"] = df[c.STAGE].map(lambda s: Stage(int(s)).label)
-    df["role"] = df["role_id"].map(_role_label)
+    df["role"] = [_role_label(_WORKER_ROLE.get((int(s), r), r) if r is not None and not pd.isna(r) else r)
+                  for s, r in zip(df[c.STAGE], df["role_id"])]
     wide = df.pivot_table(index=["stage", "role"], columns="part", values="ms", aggfunc="sum", fill_value=0.0)
     wide = wide.reindex(columns=["early", "late"], fill_value=0.0).reset_index()
     wide = wide.rename(columns={"early": "early_ms", "late": "late_ms"})
@@ -207,19 +215,6 @@ def stage_growth(src: Source, window: tuple[int, int]) -> pd.DataFrame:
     wide = wide.sort_values(["growth_ms", "stage"], ascending=[False, True], kind="stable").reset_index(drop=True)
     wide.columns.name = None
     return wide[STAGE_COLUMNS]
-
-
-def _stage_part_ms(src: Source, req: str, derived: str) -> pd.DataFrame:
-    """The rows of :func:`stage_growth`'s query (stage, role_id, part, ms) from the run's derived per-request
-    stage sums (:mod:`analyzers.facts`): the same span times, summed per request first."""
-    c = col
-    combos, _ = facts.request_stage_layout(src, derived)
-    sums = "".join(f", SUM(w.{name})::DOUBLE / COUNT(*) / 1e6 AS ms_{i}" for i, (_, _, name) in enumerate(combos))
-    wide = src.df(f"SELECT r.part{sums} FROM ({req}) r JOIN {derived} w USING ({c.REQUEST_ID}) "
-                  f"WHERE r.part IS NOT NULL GROUP BY r.part")
-    rows = [{c.STAGE: stage, "role_id": role, "part": r["part"], "ms": r[f"ms_{i}"]}
-            for r in wide.to_dict("records") for i, (stage, role, _) in enumerate(combos) if pd.notna(r[f"ms_{i}"])]
-    return pd.DataFrame(rows, columns=[c.STAGE, "role_id", "part", "ms"])
 
 
 def _time_in_system_trend(req: pd.DataFrame, window: tuple[int, int]) -> tuple[float, float, float]:
@@ -247,6 +242,11 @@ def _pool_that_saturates(pools: pd.DataFrame, stages: pd.DataFrame) -> str | Non
     return None
 
 
+def cached_load(src: Source) -> LoadReport:
+    """:func:`load` of ``src``, computed once per source (the report's first lines and the diagnosis both read it)."""
+    return src.cached("analyzers.load", lambda: load(src))
+
+
 def load(src: Source) -> LoadReport:
     """Offered and served load, the saturation verdict, and the pool and stage that saturate (module doc)."""
     window = arrival_window(src)
@@ -269,7 +269,7 @@ def load(src: Source) -> LoadReport:
     waiting = bool(trend >= TREND_MIN and late_ms - early_ms >= GROWTH_MIN_MS) if not math.isnan(trend) else False
     queue = bool(pools["queue_grows"].any()) if len(pools) else False
     busy = bool(pools["busy"].any()) if len(pools) else False
-    judged = n >= MIN_REQUESTS and outrun is not None
+    judged = n >= MIN_REQUESTS and w_s >= MIN_WINDOW_S and outrun is not None
     saturated = bool(outrun and (waiting or queue or busy)) if judged else None
     top_stage = stages.iloc[0] if len(stages) and stages.iloc[0]["growth_ms"] >= GROWTH_MIN_MS else None
     summary = {

@@ -45,9 +45,10 @@ from typing import Mapping
 
 import pandas as pd
 
-from analyzers.load import arrival_window
+from analyzers.load import MIN_WINDOW_S, arrival_window
 from analyzers.slo import SloTargets, resolve_targets
 from analyzers.source import Source
+from analyzers.stage_breakdown import breakdown
 from analyzers.timing import LATENCY, request_table, run_bounds, token_times
 from tokentrace.schema import RequestStatus, Role, Stage, col
 
@@ -133,23 +134,22 @@ def watermarks(src: Source) -> pd.DataFrame:
 
 
 def kv_transfer(src: Source) -> pd.DataFrame:
-    """One row: transfer_ms, ttft_total_ms, itl_total_ms, share_of_ttft, share_of_itl."""
+    """One row: transfer_ms, ttft_total_ms, itl_total_ms, share_of_ttft, share_of_itl.
+
+    The shares are the stage breakdown's ``transfer.kv`` shares (spans clipped to their token's interval), so
+    the report states one KV-transfer share of ITL; transfer_ms is that time within the tokens' intervals."""
     c = col
     tt = token_times(src)
     df = src.df(f"""
-        WITH x AS (
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, SUM({c.END_NS} - {c.START_NS}) AS ns FROM srv_spans
-            WHERE {c.STAGE} = {int(Stage.TRANSFER_KV)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-        )
-        SELECT (SELECT COALESCE(SUM(ns), 0) FROM x) / 1e6 AS transfer_ms,
-               COALESCE(SUM(CASE WHEN t.{c.TOKEN_INDEX} = 0 THEN t.{LATENCY} END), 0) / 1e6 AS ttft_total_ms,
-               COALESCE(SUM(CASE WHEN t.{c.TOKEN_INDEX} > 0 THEN t.{LATENCY} END), 0) / 1e6 AS itl_total_ms,
-               COALESCE(SUM(CASE WHEN t.{c.TOKEN_INDEX} = 0 THEN x.ns END), 0) / 1e6 AS ttft_transfer_ms,
-               COALESCE(SUM(CASE WHEN t.{c.TOKEN_INDEX} > 0 THEN x.ns END), 0) / 1e6 AS itl_transfer_ms
-        FROM {tt} t LEFT JOIN x USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+        SELECT COALESCE(SUM(CASE WHEN {c.TOKEN_INDEX} = 0 THEN {LATENCY} END), 0) / 1e6 AS ttft_total_ms,
+               COALESCE(SUM(CASE WHEN {c.TOKEN_INDEX} > 0 THEN {LATENCY} END), 0) / 1e6 AS itl_total_ms
+        FROM {tt}
     """)
-    df["share_of_ttft"] = df["ttft_transfer_ms"] / df["ttft_total_ms"].where(df["ttft_total_ms"] > 0)
-    df["share_of_itl"] = df["itl_transfer_ms"] / df["itl_total_ms"].where(df["itl_total_ms"] > 0)
+    shares = breakdown(src).set_index("stage").loc[Stage.TRANSFER_KV.label]
+    df["share_of_ttft"] = float(shares["ttft_share"]) if df["ttft_total_ms"].iloc[0] > 0 else math.nan
+    df["share_of_itl"] = float(shares["itl_share"]) if df["itl_total_ms"].iloc[0] > 0 else math.nan
+    df["transfer_ms"] = (df["share_of_ttft"].fillna(0) * df["ttft_total_ms"]
+                         + df["share_of_itl"].fillna(0) * df["itl_total_ms"])
     return df[["transfer_ms", "ttft_total_ms", "itl_total_ms", "share_of_ttft", "share_of_itl"]]
 
 
@@ -183,8 +183,9 @@ def demand(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
     """
     c = col
     window = arrival_window(src)
-    rate = (window[2] - 1) / ((window[1] - window[0]) / 1e9) if window and window[2] >= 2 and window[1] > window[0] \
-        else math.nan
+    # No offered rate (so no advice) from arrivals within less than MIN_WINDOW_S: a burst's rate is no load.
+    rate = (window[2] - 1) / ((window[1] - window[0]) / 1e9) \
+        if window and window[2] >= 2 and window[1] - window[0] >= MIN_WINDOW_S * 1e9 else math.nan
     rf = request_table(src)
     ok = int(RequestStatus.OK)
     per = src.df(f"""

@@ -4,8 +4,11 @@
   run and are preempted. Steps are bucketed by their end time into buckets of
   ``bucket_s`` seconds since the run's first arrival; each bucket reports the
   mean over its steps (and the maximum of waiting).
-* Queueing delay of a request = the summed duration of its ``schedule.queue``
-  spans (admission wait), distribution per SLO class.
+* Queueing delay of a request = the time its ``schedule.queue`` spans (admission
+  wait) count in its token intervals, clipped as the stage breakdown clips them
+  (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`: a decode worker's wait hidden
+  behind an earlier token's delivery is no part of the request's latency), distribution
+  per SLO class.
 * Little's law, per engine instance: L = lambda * W, over the window T from the
   instance's first request arrival to its last finish:
   L (measured) = sum over steps of (waiting + running + preempted) * step duration / T
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from analyzers import facts
 from analyzers.groups import ALL, PERCENTILES, pct_name
 from analyzers.source import Source
+from analyzers.stage_breakdown import request_stage_ns
 from analyzers.timing import request_table, run_start
 from tokentrace.schema import Stage, col
 
@@ -70,11 +73,7 @@ def queueing_delay(src: Source) -> pd.DataFrame:
     """
     c = col
     qs = ", ".join(str(p / 100) for p in PERCENTILES)
-    # Every server-side request and its class, as in the per-request facts; without building them all.
-    have_facts = src.is_cached("request_facts") or facts.derived_file(src, "request_facts") is not None
-    classes = (request_table(src) if have_facts else
-               f"(SELECT {c.REQUEST_ID}, COALESCE(MAX({c.SLO_CLASS}), '') AS {c.SLO_CLASS} FROM srv_requests "
-               f"GROUP BY {c.REQUEST_ID})")
+    classes = request_table(src)  # every server-side request and its class
     df = src.df(f"""
         WITH q AS ({_queue_ns_sql(src)}), r AS (
             SELECT f.{c.SLO_CLASS} AS cls, COALESCE(q.ns, 0) / 1e6 AS ms
@@ -98,20 +97,11 @@ def queueing_delay(src: Source) -> pd.DataFrame:
 
 
 def _queue_ns_sql(src: Source) -> str:
-    """SELECT of (request_id, ns): each request's schedule.queue spans summed, for requests that have one; from
-    the run's derived per-request stage sums when it has them (:mod:`analyzers.facts`)."""
+    """SELECT of (request_id, ns): the time each request's schedule.queue spans count in its token intervals, for
+    requests that have one (from the per-request stage sums, :data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`)."""
     c = col
-    queue = int(Stage.SCHEDULE_QUEUE)
-    derived = facts.view(src, "request_stage_ns")
-    if derived is None:
-        return (f"SELECT {c.REQUEST_ID}, SUM({c.END_NS} - {c.START_NS}) AS ns FROM srv_spans "
-                f"WHERE {c.STAGE} = {queue} GROUP BY {c.REQUEST_ID}")
-    names = [name for stage, _, name in facts.request_stage_layout(src, derived)[0] if stage == queue]
-    if not names:
-        return f"SELECT {c.REQUEST_ID}, 0 AS ns FROM {derived} WHERE false"
-    total = " + ".join(f"COALESCE({name}, 0)" for name in names)
-    present = " OR ".join(f"{name} IS NOT NULL" for name in names)
-    return f"SELECT {c.REQUEST_ID}, {total} AS ns FROM {derived} WHERE {present}"
+    return (f"SELECT {c.REQUEST_ID}, SUM(ns) AS ns FROM {request_stage_ns(src)} "
+            f"WHERE {c.STAGE} = {int(Stage.SCHEDULE_QUEUE)} GROUP BY {c.REQUEST_ID}")
 
 
 def littles_law(src: Source) -> pd.DataFrame:

@@ -34,10 +34,10 @@ import numpy as np
 import pandas as pd
 
 from analyzers import facts
-from analyzers.groups import ALL
+from analyzers.groups import ALL, check_window_s
 from analyzers.source import Source
 from analyzers.timing import TOKEN_END, TPOT_NS, TTFT_NS, request_table, run_bounds, token_times
-from tokentrace.schema import RequestStatus, col
+from tokentrace.schema import REQUESTS, RequestStatus, col
 
 __all__ = ["SloTargets", "DEFAULT_TARGETS", "resolve_targets", "request_slo", "slo_attainment", "goodput",
            "fluidity", "request_fluidity", "DEFAULT_TARGET_SHARE", "reported_tokens_sql"]
@@ -131,16 +131,22 @@ def _verdicts(src: Source, targets: Mapping[str, SloTargets] | None
 
 
 def reported_tokens_sql() -> str:
-    """SELECT of (request_id, reported): the most output tokens any server row of the request reported (the
-    derived fact ``request_reported_tokens`` holds the same rows)."""
+    """SELECT of (request_id, reported): the most output tokens any server row of the request reported (the rows
+    of the derived fact :data:`REQUEST_REPORTED_TOKENS`)."""
     c = col
     return f"SELECT {c.REQUEST_ID}, MAX({c.NUM_OUTPUT_TOKENS}) AS reported FROM srv_requests GROUP BY {c.REQUEST_ID}"
+
+
+REQUEST_REPORTED_TOKENS = facts.Fact(
+    "request_reported_tokens", "Per request: the most output tokens any server row of it reported.",
+    (REQUESTS.column(col.REQUEST_ID), facts.i64("reported", "Output tokens reported (most over its rows).")),
+    select=lambda src: reported_tokens_sql())
 
 
 def _request_slo(src: Source, targets: Mapping[str, SloTargets] | None
                  ) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     c = col
-    reported = facts.view(src, "request_reported_tokens") or f"({reported_tokens_sql()})"
+    reported = facts.relation(src, REQUEST_REPORTED_TOKENS)
     f = src.df(f"""
         WITH reported AS (SELECT * FROM {reported})
         SELECT f.{c.REQUEST_ID}, f.{c.SLO_CLASS}, f.{c.ARRIVAL_NS}, f.{TTFT_NS} / 1e6 AS ttft_ms,
@@ -254,8 +260,7 @@ def goodput(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
     failed, ok, arrival = f["failed"].to_numpy(bool), codes["ok"], f[col.ARRIVAL_NS].to_numpy()
     bounds = run_bounds(src)
     duration_ns = (bounds[1] - bounds[0]) if bounds else 0
-    if window_s is not None and not (math.isfinite(window_s) and window_s > 0):
-        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+    check_window_s(window_s)
     window_ns = int(window_s * 1e9) if window_s else max(1, duration_ns // 10)
     rows = []
     for name, at in _class_rows(f):

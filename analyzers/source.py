@@ -6,7 +6,9 @@ table (``requests``, ``spans``, ``tokens``, ``steps``, ``cache_events``,
 ``instances``), every time column already shifted onto the run's reference
 clock (``t_ref = t_local + clock_offset_ns``, see :mod:`tokentrace.clock.alignment`).
 Two more views hold the server's side only (client-role rows removed):
-``srv_requests`` and ``srv_tokens``; ``srv_spans`` likewise.
+``srv_requests`` and ``srv_tokens``; ``srv_spans`` likewise. A run whose every instance is a
+client (no server was traced) has no server lane: there the views keep the client's rows, so the
+analyses report what the client measured, and :attr:`Source.client_lane_only` says so.
 
 * :meth:`Source.of_run` reads the run's Parquet files through the engine
   (DuckDB's ``read_parquet``, Spark's ``spark.read.parquet``): nothing is loaded
@@ -19,11 +21,10 @@ Two more views hold the server's side only (client-role rows removed):
 A table that is absent reads as an empty view with the full schema, so every
 query runs and analyzers return empty results rather than raising.
 
-Derived per-token and per-request facts (:mod:`analyzers.timing`) are
-materialized once per ``Source`` as temporary tables and cached; a run whose
-facts were derived and kept next to it (``<run>/_derived``, current for its part
-files) has them read from there instead (:mod:`analyzers.facts`, looked up once
-by :meth:`Source.of_run`).
+Derived facts (per-token and per-request tables several analyses share) are read
+through one door, :func:`analyzers.facts.relation`: the run's saved copy when it is
+current (looked up once by :meth:`Source.of_run`), else built once per ``Source`` as
+a temporary table.
 
 The views are described once, in DuckDB SQL (:meth:`Source._build`), and every
 query goes through :meth:`Source.df`, :meth:`Source.scalar`,
@@ -42,6 +43,7 @@ import pandas as pd
 import pyarrow as pa
 
 from analyzers.engine import DuckDBEngine, Engine, ParquetGroup, open_engine
+from analyzers.facts import attach
 from tokentrace.clock import OFFSET_COLUMN, RunClocks, aligned_time_sql, latest_instances, time_columns
 from tokentrace.schema import INSTANCES, TABLES, Role, Table, col
 
@@ -60,22 +62,14 @@ class Source:
     """
 
     def __init__(self, engine: Any, *, manifest: Mapping[str, Any] | None = None,
-                 present: frozenset[str] = frozenset()) -> None:
+                 present: frozenset[str] = frozenset(), client_lane_only: bool = False) -> None:
         self.engine: Engine = engine if hasattr(engine, "parquet_view") else DuckDBEngine(engine)
+        self.client_lane_only = client_lane_only  # no server instance: the srv_ views hold the client's rows
         self.manifest: dict[str, Any] = dict(manifest or {})
         self.present = present  # tables with at least one row source
         self._cache: dict[str, Any] = {}
 
     # ------------------------------------------------------------ construction
-
-    @property
-    def con(self) -> Any:
-        """The DuckDB connection of a DuckDB source (``AttributeError`` on another engine): prefer the
-        engine-neutral :meth:`df`, :meth:`fetchone`, :meth:`execute`."""
-        con = getattr(self.engine, "con", None)
-        if con is None:
-            raise AttributeError(f"a source on the {self.engine.name} engine has no DuckDB connection")
-        return con
 
     @classmethod
     def of_tables(cls, *, manifest: Mapping[str, Any] | None = None, engine: Any = None,
@@ -124,10 +118,8 @@ class Source:
             manifest = run.manifest
         except (OSError, ValueError):
             manifest = {}
-        from analyzers.facts import attach
-
         src = cls._build(eng, raw, instances, manifest, frozenset(present))
-        attach(src, run)  # the run's derived facts, when current, stand in for deriving them (analyzers.facts)
+        attach(src, run)  # the run's current saved facts, for the facts' door (analyzers.facts)
         return src
 
     @classmethod
@@ -163,18 +155,19 @@ class Source:
                 eng.register(f"raw_{name}", t.schema.empty_table())
                 raw[name] = f"raw_{name}"
             eng.execute(f"CREATE VIEW {name} AS {_aligned_select(eng.columns(raw[name]), raw[name], t, shifted)}")
-        not_client = f"WHERE {col.INSTANCE_ID} NOT IN ({', '.join(map(str, clients))})" if clients else ""
+        client_lane_only = bool(clients) and len(clients) == inst.num_rows
+        not_client = (f"WHERE {col.INSTANCE_ID} NOT IN ({', '.join(map(str, clients))})"
+                      if clients and not client_lane_only else "")
         for name, view in SERVER_VIEWS.items():
             eng.execute(f"CREATE VIEW {view} AS SELECT * FROM {name} {not_client}")
-        return cls(eng, manifest=manifest, present=present)
+        return cls(eng, manifest=manifest, present=present, client_lane_only=client_lane_only)
 
     # ------------------------------------------------------------ queries
 
     def df(self, sql: str, params: list[Any] | None = None) -> pd.DataFrame:
-        """Run the query ``sql`` and return a pandas DataFrame (``params``: DuckDB sources only)."""
-        if params:
-            return self.con.execute(sql, params).df()
-        return self.engine.df(sql)
+        """Run the query ``sql`` and return a pandas DataFrame; ``params``: values of its ``?`` placeholders, in
+        order."""
+        return self.engine.df(sql, params)
 
     def scalar(self, sql: str) -> Any:
         """The first column of the first row of ``sql`` (``None`` if no rows)."""
@@ -188,6 +181,10 @@ class Source:
     def arrow(self, sql: str) -> pa.Table:
         """The result of the query ``sql`` as an Arrow table."""
         return self.engine.arrow(sql)
+
+    def arrow_stream(self, sql: str, batch_rows: int) -> pa.RecordBatchReader:
+        """The result of the query ``sql`` as a stream of record batches of at most ``batch_rows`` rows."""
+        return self.engine.arrow_stream(sql, batch_rows)
 
     def execute(self, sql: str) -> None:
         """Run statements (``CREATE [OR REPLACE] TEMP TABLE t AS ...``, ``DROP TABLE ...``), ``;``-separated."""

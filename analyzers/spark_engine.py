@@ -156,12 +156,22 @@ class SparkEngine:
     def _sql(self, expression: Any) -> str:
         return to_spark_sql(self._rename(expression))
 
-    def _query(self, sql: str) -> Any:
-        """One DuckDB query as a Spark DataFrame."""
+    def _query(self, sql: str, params: Sequence[Any] | None = None) -> Any:
+        """One DuckDB query as a Spark DataFrame; ``params``: literals for its ``?`` placeholders, in order."""
+        from sqlglot import exp
+
         statements = [s for s in self._sqlglot.parse(sql, read="duckdb") if s is not None]
         if len(statements) != 1:
             raise ValueError(f"expected one query, got {len(statements)} statements")
-        return self.spark.sql(self._sql(statements[0]))
+        statement = statements[0]
+        if params:
+            values = iter(params)
+            placeholders = list(statement.find_all(exp.Placeholder))
+            if len(placeholders) != len(params):
+                raise ValueError(f"the query has {len(placeholders)} placeholders, got {len(params)} values")
+            for node in placeholders:
+                node.replace(exp.convert(next(values)))
+        return self.spark.sql(self._sql(statement))
 
     # ------------------------------------------------------------ the engine interface
 
@@ -183,8 +193,8 @@ class SparkEngine:
             else:
                 self.spark.sql(self._sql(statement)).collect()
 
-    def df(self, sql: str) -> pd.DataFrame:
-        return _to_pandas(self._query(sql))
+    def df(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
+        return _to_pandas(self._query(sql, params))
 
     def fetchone(self, sql: str) -> tuple[Any, ...] | None:
         rows = self._query(sql).take(1)
@@ -192,6 +202,21 @@ class SparkEngine:
 
     def arrow(self, sql: str) -> pa.Table:
         return self._query(sql).toArrow()
+
+    def arrow_stream(self, sql: str, batch_rows: int) -> pa.RecordBatchReader:
+        frame = self._query(sql)
+        schema = frame.limit(0).toArrow().schema
+
+        def batches() -> Any:  # rows come to the driver one partition at a time, not the whole result at once
+            rows: list[Any] = []
+            for row in frame.toLocalIterator():
+                rows.append(row)
+                if len(rows) >= batch_rows:
+                    yield pa.RecordBatch.from_pylist([r.asDict() for r in rows], schema=schema)
+                    rows = []
+            if rows:
+                yield pa.RecordBatch.from_pylist([r.asDict() for r in rows], schema=schema)
+        return pa.RecordBatchReader.from_batches(schema, batches())
 
     def register(self, name: str, table: pa.Table | pd.DataFrame) -> None:
         if isinstance(table, pd.DataFrame):

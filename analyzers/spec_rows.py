@@ -15,7 +15,7 @@ import pandas as pd
 from analyzers import facts
 from analyzers.source import Source
 from analyzers.timing import LATENCY, token_steps, token_times
-from tokentrace.schema import SPEC_STEPS, STEPS, col
+from tokentrace.schema import SPEC_STEPS, STEPS, TOKENS, col
 
 __all__ = ["SPECULATIVE", "PLAIN", "bin_sql", "bin_lo", "spec_rows_sql", "token_rows_sql", "has_speculation",
            "empty_frame", "ratio"]
@@ -64,41 +64,30 @@ def _spec_rows_ctes(tt: str) -> str:
 
 
 def spec_step_rows_sql(src: Source) -> str:
-    """SELECT of the rows of :func:`spec_rows_sql`'s ``spec_rows``, from the run's tables (what
-    :mod:`analyzers.derivation` writes as the ``spec_step_rows`` fact)."""
+    """SELECT of the rows of :func:`spec_rows_sql`'s ``spec_rows``, from the run's tables (the rows of
+    :data:`SPEC_STEP_ROWS`)."""
     return f"WITH {_spec_rows_ctes(token_times(src))} SELECT * FROM spec_rows"
 
 
 def spec_rows_sql(src: Source) -> str:
     """CTE ``spec_rows``: one row per spec_steps row with k, a, its token range ``lo``..``hi``, ``draft_ns``,
-    ``verify_ns``, ``phases_ns``, ``batch``, ``emitted`` and ``step_ns``. Read from the run's derived
-    ``spec_step_rows`` fact when it has one, else built once per source as a temp table (every speculative figure
-    reads it; the join with the token facts is the costly part)."""
-    def build() -> str:
-        derived = facts.view(src, "spec_step_rows")
-        if derived is not None:
-            return derived
-        src.execute(f"CREATE OR REPLACE TEMP TABLE spec_step_rows AS {spec_step_rows_sql(src)}")
-        return "spec_step_rows"
-    return f"spec_rows AS (SELECT * FROM {src.cached('spec_step_rows', build)})"
+    ``verify_ns``, ``phases_ns``, ``batch``, ``emitted`` and ``step_ns``: the derived fact :data:`SPEC_STEP_ROWS`
+    (every speculative figure reads it; the join with the token facts is the costly part)."""
+    return f"spec_rows AS (SELECT * FROM {facts.relation(src, SPEC_STEP_ROWS)})"
 
 
 def decode_tokens_sql(src: Source) -> str:
-    """SELECT of the rows of :func:`token_rows_sql`'s ``decode_tokens``, from the run's tables (what
-    :mod:`analyzers.derivation` writes as the ``spec_decode_tokens`` fact)."""
-    return f"WITH {_token_rows_ctes(src)} SELECT * FROM decode_tokens"
+    """SELECT of the rows of :func:`token_rows_sql`'s ``decode_tokens``, from the run's tables (the rows of
+    :data:`SPEC_DECODE_TOKENS`; none for a run that never speculated, where nothing reads them)."""
+    return f"WITH {_token_rows_ctes(src)} SELECT * FROM decode_tokens" + ("" if has_speculation(src) else " LIMIT 0")
 
 
 def token_rows_sql(src: Source) -> str:
     """CTEs of :func:`spec_rows_sql` plus ``decode_tokens``: one row per delivered decode token with its
     ``mode``, ``carrier`` (1 on the token that carries its step), ``batch``, ``step_ns`` (on carriers),
     ``step_known`` (1 when its step's time is known) and ``beside_spec`` (1 on a plain token whose engine step
-    had speculating requests: a mixed batch). ``decode_tokens`` is read from the run's derived
-    ``spec_decode_tokens`` fact when it has one."""
-    derived = facts.view(src, "spec_decode_tokens")
-    if derived is not None:
-        return spec_rows_sql(src) + f", decode_tokens AS (SELECT * FROM {derived})"
-    return _token_rows_ctes(src)
+    had speculating requests: a mixed batch). ``decode_tokens`` is the derived fact :data:`SPEC_DECODE_TOKENS`."""
+    return spec_rows_sql(src) + f", decode_tokens AS (SELECT * FROM {facts.relation(src, SPEC_DECODE_TOKENS)})"
 
 
 def _token_rows_ctes(src: Source) -> str:
@@ -148,3 +137,26 @@ def ratio(num: float, den: float) -> float:
 def bin_lo(hi: int) -> int:
     """The lower end of the power-of-two batch-size bin whose upper end is ``hi``: 1, 2, 3, 5, 9, ..."""
     return 1 if hi <= 1 else hi // 2 + 1
+
+
+SPEC_STEP_ROWS = facts.Fact(
+    "spec_step_rows", "One row per spec_steps row with its proposals, accepted prefix, token range, phase times, "
+                      "the tokens it emitted and its step time (analyzers.speculative).",
+    (SPEC_STEPS.column(col.INSTANCE_ID), SPEC_STEPS.column(col.REQUEST_ID), SPEC_STEPS.column(col.STEP),
+     SPEC_STEPS.column(col.DRAFT_SOURCE), facts.i64("k", "Draft tokens proposed."),
+     facts.i64("a", "Proposed tokens accepted."), facts.i32("lo", "First token index the step produced."),
+     facts.i64("hi", "Last token index it produced (lo + a)."), facts.i64("draft_ns", "Draft phase; ns."),
+     facts.i64("verify_ns", "Verify phase; ns."), facts.i64("phases_ns", "Draft start to verify end; ns."),
+     facts.i64("batch", "Sequences in the step."), facts.i64("emitted", "Tokens the step emitted."),
+     facts.i64("step_ns", "The engine step's time (else phases_ns); ns.")),
+    select=spec_step_rows_sql)
+
+SPEC_DECODE_TOKENS = facts.Fact(
+    "spec_decode_tokens", "Every delivered decode token with its mode (speculative or plain), whether it carries "
+                          "its step, its batch size and step time, and whether its step had speculating requests.",
+    (TOKENS.column(col.REQUEST_ID), TOKENS.column(col.TOKEN_INDEX), facts.i64("lat", "The token's ITL; ns."),
+     facts.text("mode", "speculative or plain."), facts.i32("carrier", "1 on the token that carries its step."),
+     facts.i64("batch", "Batch size of its step."), facts.i64("step_ns", "Its step's time, on carriers; ns."),
+     facts.i32("step_known", "1 when its step's time is known."),
+     facts.i32("beside_spec", "1 on a plain token whose step had speculating requests.")),
+    select=decode_tokens_sql)

@@ -1,8 +1,9 @@
 """Where the time went: each stage's share of TTFT and of inter-token latency.
 
-For every output token (intervals as in :mod:`analyzers.timing`) the stage time
-is the sum of the durations of its spans (``spans.token_index`` = the token),
-each clipped to the token's interval (:func:`token_spans`);
+For every output token (intervals as in :mod:`analyzers.timing`: TTFT ends at the
+first visible content) the stage time is the time of the spans that count in its
+interval, clipped (:func:`analyzers.attribution.span_pieces_sql`: whatever token
+index their process gave them);
 ``unattributed`` = token latency - stage time (signed, never floored), so shares
 always add up to 1; time two stages both claim is reported apart, as overlap
 (:mod:`analyzers.attribution`).
@@ -13,8 +14,9 @@ always add up to 1; time two stages both claim is reported apart, as overlap
   (ceil(1% of n), at least one token): what the tail spent its time on.
 * ``*_mean_ms(s)``   = s's time per token, averaged over all tokens of the kind.
 
-The aggregation runs in DuckDB as one pass over the spans (joined to the
-per-token facts), so it streams over stores bigger than memory.
+The aggregation reads the derived fact :data:`TOKEN_STAGE_NS` (one row per token
+with its clipped stage sums, :func:`analyzers.facts.relation`: the run's saved copy or
+built now in one pass over the spans), so it streams over stores bigger than memory.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ import pandas as pd
 import pyarrow as pa
 
 from analyzers import facts
+from analyzers.attribution import span_pieces_sql
 from analyzers.attribution import unattributed_share as signed_unattributed_share
 from analyzers.groups import group_column, group_sql
 from analyzers.source import Source
-from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, request_table, run_bounds, token_intervals, token_times
-from tokentrace.schema import UNATTRIBUTED_LABEL, Stage, col
+from analyzers.timing import LATENCY, TOKEN_END, TOKEN_START, request_table, run_bounds, token_times
+from tokentrace.schema import INSTANCES, SPANS, TOKENS, UNATTRIBUTED_LABEL, Stage, col
 
-__all__ = ["TAIL_FRACTION", "STAGE_LABELS", "ROW_OF_STAGE", "token_spans", "breakdown", "unattributed", "token_stage_times", "stage_breakdown",
-           "unattributed_share"]
+__all__ = ["TOKEN_STAGE_NS", "REQUEST_STAGE_NS", "token_stage_ns", "request_stage_ns", "stage_column",
+           "TAIL_FRACTION", "STAGE_LABELS", "ROW_OF_STAGE", "token_spans", "breakdown", "unattributed",
+           "token_stage_times", "stage_breakdown", "unattributed_share"]
 
 TAIL_FRACTION = 0.01
 STAGE_LABELS: list[str] = [s.label for s in Stage] + [UNATTRIBUTED_LABEL]
@@ -45,28 +49,157 @@ for _row, _stage in enumerate(Stage):
 _KINDS = ("ttft", "itl")
 
 
-def _tokens_sql(src: Source, g: str) -> str:
-    """SQL of every delivered token: request, index, interval (t0, t1), latency (lat), group (grp), first?.
+def stage_column(stage: int) -> str:
+    """The :data:`TOKEN_STAGE_NS` column of a stage id: ``stage_<id>_ns``."""
+    return f"stage_{int(stage)}_ns"
 
-    Without a grouping this is a view of :func:`analyzers.timing.token_times`; with one, the tokens are joined
-    to their request's group once, into the temp table ``bd_tok``."""
+
+def _token_stage_sql(src: Source, only: str | None = None) -> str:
+    """Every delivered token (``only``: those of its (request_id, token_index) pairs) with its latency and, per
+    stage, the time of the spans that count in its interval (:func:`analyzers.attribution.span_pieces_sql`),
+    summed."""
     c = col
     tt = token_times(src)
-    columns = f"{c.REQUEST_ID}, {c.TOKEN_INDEX}, {TOKEN_START} AS t0, {TOKEN_END} AS t1, {LATENCY} AS lat"
-    if g == "0":
-        return f"SELECT {columns}, 0 AS grp, {c.TOKEN_INDEX} = 0 AS first FROM {tt}"
+    if only is not None:
+        tt = (f"(SELECT t.* FROM {tt} t JOIN {only} k "
+              f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX})")
+    clipped = "GREATEST(0, p.hi - p.lo)"
+    sums = ", ".join(f"SUM(CASE WHEN p.{c.STAGE} = {int(st)} THEN {clipped} ELSE 0 END) AS {stage_column(st)}"
+                     for st in Stage)
+    filled = ", ".join(f"COALESCE(w.{stage_column(st)}, 0) AS {stage_column(st)}" for st in Stage)
+    return f"""
+        SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY}, {filled}
+        FROM {tt} t LEFT JOIN (
+            SELECT p.{c.REQUEST_ID}, p.{c.TOKEN_INDEX}, {sums}
+            FROM ({span_pieces_sql(src, only)}) p
+            GROUP BY p.{c.REQUEST_ID}, p.{c.TOKEN_INDEX}
+        ) w USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+    """
+
+
+TOKEN_STAGE_NS = facts.Fact(
+    "token_stage_ns", "One row per delivered token: its latency and, per stage, the time of its spans inside its "
+                      "interval summed (0 without such a span; :func:`token_spans`).",
+    (TOKENS.column(col.REQUEST_ID), TOKENS.column(col.TOKEN_INDEX),
+     facts.i64(LATENCY, "The token's latency (TTFT for token 0, else ITL); ns."),
+     *(facts.i64(stage_column(st), f"{st.label}: its spans' time inside the token's interval; ns.") for st in Stage)),
+    select=_token_stage_sql, keys=(col.REQUEST_ID, col.TOKEN_INDEX), select_only=_token_stage_sql)
+
+
+_SPAN_STAGE_SUMS = "span_stage_sums"  # temp table of one pass over the spans (dropped after use)
+_MARKED_FIRST, _MARKED_LATER = -1, -2  # span_stage_sums.token of a piece counted in an unmarked token: 0 / i >= 1
+
+
+def _span_stage_sums(src: Source, marked: str | None) -> None:
+    """Temp table :data:`_SPAN_STAGE_SUMS`: the spans' clipped time (:func:`analyzers.attribution.span_pieces_sql`)
+    summed per request, stage, recording instance and ``token``: the token it counts in when that token is in
+    relation ``marked`` (distinct (request_id, token_index) pairs), else -1 for token 0 and -2 for a later one;
+    with ``lo``, the earliest moment of that time (null without any).
+
+    One pass over the spans gives both the per-request sums and the marked tokens' own rows: a few groups more
+    than the requests' alone, never one per token."""
+    c = col
+    token = (f"CASE WHEN p.{c.TOKEN_INDEX} = 0 THEN {_MARKED_FIRST} ELSE {_MARKED_LATER} END" if marked is None else
+             f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} WHEN p.{c.TOKEN_INDEX} = 0 THEN {_MARKED_FIRST} "
+             f"ELSE {_MARKED_LATER} END")
     src.execute(f"""
-        CREATE OR REPLACE TEMP TABLE bd_tok AS
-        SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{TOKEN_START} AS t0, t.{TOKEN_END} AS t1, t.{LATENCY} AS lat,
-               {g} AS grp, t.{c.TOKEN_INDEX} = 0 AS first
-        FROM {tt} t JOIN {request_table(src)} f USING ({c.REQUEST_ID})
+        CREATE OR REPLACE TEMP TABLE {_SPAN_STAGE_SUMS} AS
+        SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token} AS token,
+               SUM(GREATEST(0, p.hi - p.lo)) AS ns, MIN(CASE WHEN p.hi > p.lo THEN p.lo END) AS lo
+        FROM ({span_pieces_sql(src, mark=marked)}) p
+        WHERE p.{c.STAGE} IS NOT NULL
+        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token}
     """)
-    return "SELECT * FROM bd_tok"
+
+
+def _request_stage_sql() -> str:
+    """Per request, stage and role of the recording instance, from :data:`_SPAN_STAGE_SUMS`: the time the spans
+    count in the request's token intervals, and the part of it in token 0's interval (TTFT) with its earliest
+    moment (instances joined to the sums, not to every span)."""
+    c = col
+    role = f"COALESCE(i.{c.ROLE}, -1)"  # a missing instance's role joins as -1, is null in the result
+    first = f"s.token IN (0, {_MARKED_FIRST})"
+    return f"""
+        WITH summed AS (
+            SELECT s.{c.REQUEST_ID}, s.{c.STAGE}, {role} AS role, SUM(s.ns) AS ns,
+                   SUM(CASE WHEN {first} AND s.lo IS NOT NULL THEN s.ns END) AS first_ns,
+                   MIN(CASE WHEN {first} THEN s.lo END) AS first_start_ns
+            FROM {_SPAN_STAGE_SUMS} s LEFT JOIN instances i USING ({c.INSTANCE_ID})
+            GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}, {role}
+        )
+        SELECT {c.REQUEST_ID}, {c.STAGE}, CASE WHEN role >= 0 THEN role END AS {c.ROLE}, ns, first_ns, first_start_ns
+        FROM summed
+    """
+
+
+def _marked_token_stage_sql(src: Source, marked: str) -> str:
+    """The :data:`TOKEN_STAGE_NS` rows of the tokens in relation ``marked``, from :data:`_SPAN_STAGE_SUMS` (built
+    with those marks)."""
+    c = col
+    sums = ", ".join(f"SUM(CASE WHEN s.{c.STAGE} = {int(st)} THEN s.ns ELSE 0 END) AS {stage_column(st)}"
+                     for st in Stage)
+    filled = ", ".join(f"COALESCE(w.{stage_column(st)}, 0) AS {stage_column(st)}" for st in Stage)
+    return f"""
+        SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY}, {filled}
+        FROM {token_times(src)} t
+        JOIN {marked} k ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+        LEFT JOIN (
+            SELECT s.{c.REQUEST_ID}, s.token AS {c.TOKEN_INDEX}, {sums}
+            FROM {_SPAN_STAGE_SUMS} s WHERE s.token >= 0 GROUP BY s.{c.REQUEST_ID}, s.token
+        ) w ON w.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND w.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+    """
+
+
+def _build_request_stage_ns(src: Source, table: str, marked: str | None = None, rows: str | None = None) -> None:
+    """Materialize :data:`REQUEST_STAGE_NS` as ``table`` and, given ``marked`` and ``rows``, the
+    :data:`TOKEN_STAGE_NS` rows of the tokens in relation ``marked`` as ``rows``: one pass over the spans."""
+    _span_stage_sums(src, marked)
+    src.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS {REQUEST_STAGE_NS.rows_sql(f'({_request_stage_sql()})')}")
+    if marked is not None and rows is not None:
+        src.execute(f"CREATE OR REPLACE TEMP TABLE {rows} AS "
+                    f"{TOKEN_STAGE_NS.rows_sql(f'({_marked_token_stage_sql(src, marked)})')}")
+    src.execute(f"DROP TABLE IF EXISTS {_SPAN_STAGE_SUMS}")
+
+
+REQUEST_STAGE_NS = facts.Fact(
+    "request_stage_ns", "One row per (request, stage, role of the recording instance) with spans that count in a "
+                        "token interval of the request: the time they count there, clipped as the breakdown clips "
+                        "them (summed over its tokens, so a stage's time per request is the breakdown's), and that "
+                        "of token 0. What the breakdown, load, queue, cache, critical-path, slowest-request and "
+                        "diff analyses sum per request.",
+    (SPANS.column(col.REQUEST_ID), SPANS.column(col.STAGE),
+     INSTANCES.column(col.ROLE),  # null for an instance missing from the instances table
+     facts.i64("ns", "Their time inside the request's token intervals (each span clipped to the interval of the "
+                     "token it counts in), summed; ns."),
+     facts.i64("first_ns", "Their time counted in token 0's interval (TTFT); null without any; ns."),
+     facts.i64("first_start_ns", "The earliest moment of that time; ns, reference clock.")),
+    build=_build_request_stage_ns, rows_along=(TOKEN_STAGE_NS, _build_request_stage_ns))
+
+
+def request_stage_ns(src: Source) -> str:
+    """Relation of :data:`REQUEST_STAGE_NS`."""
+    return facts.relation(src, REQUEST_STAGE_NS)
+
+
+def _tokens_sql(src: Source, g: str) -> str:
+    """SQL of every delivered token: request, index, latency (lat), group (grp), first?"""
+    c = col
+    columns = f"t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat, {g} AS grp, t.{c.TOKEN_INDEX} = 0 AS first"
+    tt = token_times(src)
+    if g == "0":
+        return f"SELECT {columns} FROM {tt} t"
+    return f"SELECT {columns} FROM {tt} t JOIN {request_table(src)} f USING ({c.REQUEST_ID})"
+
+
+def token_stage_ns(src: Source) -> str:
+    """Relation of :data:`TOKEN_STAGE_NS`."""
+    return facts.relation(src, TOKEN_STAGE_NS)
 
 
 def _tail_cuts(src: Source, tokens: str, tail_fraction: float) -> None:
-    """Temp table ``bd_cut``: per (group, kind), the last token of its tail: the k-th slowest of its n tokens,
-    k = ceil(tail_fraction * n) (at least 1), ties ordered by request id then token index.
+    """Temp table ``bd_cut``: per (group, kind), its tokens (n) and their summed latency (lat), and the last token
+    of its tail: the k-th slowest of its n tokens, k = ceil(tail_fraction * n) (at least 1), ties ordered by
+    request id then token index.
 
     A token is in the tail when it ranks at or before that one (:data:`_IN_TAIL`): no table of tail tokens is
     joined to the spans. Candidates first (>= a quantile that keeps at least twice the tail), then the exact
@@ -76,7 +209,8 @@ def _tail_cuts(src: Source, tokens: str, tail_fraction: float) -> None:
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE bd_cut AS
         WITH tok AS ({tokens}),
-        q AS (SELECT grp, first, COUNT(*) AS n, quantile_disc(lat, {q}) AS cut FROM tok GROUP BY grp, first),
+        q AS (SELECT grp, first, COUNT(*) AS n, SUM(lat)::DOUBLE AS lat, quantile_disc(lat, {q}) AS cut
+              FROM tok GROUP BY grp, first),
         ranked AS (
             SELECT b.grp, b.first, b.lat, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}, q.n,
                    ROW_NUMBER() OVER (PARTITION BY b.grp, b.first
@@ -84,8 +218,10 @@ def _tail_cuts(src: Source, tokens: str, tail_fraction: float) -> None:
             FROM tok b JOIN q ON b.grp IS NOT DISTINCT FROM q.grp AND b.first = q.first
             WHERE b.lat >= q.cut
         )
-        SELECT grp, first, lat AS cut_lat, {c.REQUEST_ID} AS cut_request, {c.TOKEN_INDEX} AS cut_index
-        FROM ranked WHERE rank = GREATEST(1, CEIL(n * {tail_fraction}))
+        SELECT q.grp, q.first, q.n, q.lat, r.lat AS cut_lat, r.{c.REQUEST_ID} AS cut_request,
+               r.{c.TOKEN_INDEX} AS cut_index
+        FROM q JOIN ranked r ON r.grp IS NOT DISTINCT FROM q.grp AND r.first = q.first
+        WHERE r.rank = GREATEST(1, CEIL(q.n * {tail_fraction}))
     """)
 
 
@@ -103,91 +239,68 @@ def _with_tail(tokens: str) -> str:
 def token_spans(src: Source) -> str:
     """Name of the temp table of span time inside each delivered token's interval.
 
-    Columns: request_id, token_index, stage_id, ns. Each span counts only for its
-    overlap with its token's interval ``[token_start_ns, token_end_ns]`` on the
-    reference clock. In one process that is the whole span; across processes the
-    engine runs ahead of the stream (it computes token i while the gateway still
-    sends token i-1), and the part of a span hidden behind the previous token's
-    delivery is not part of this token's latency.
+    Columns: request_id, token_index, stage_id, ns: each span's time that counts in that token's interval
+    (:func:`analyzers.attribution.span_pieces_sql`: clipped to the own interval of the token it works toward; in
+    one process that is the whole span, across processes the engine runs ahead of the stream).
     """
     def build() -> str:
         c = col
         src.execute(f"""
             CREATE OR REPLACE TEMP TABLE token_spans AS
-            SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}, s.{c.STAGE},
-                   GREATEST(0, LEAST(s.{c.END_NS}, t.{TOKEN_END}) - GREATEST(s.{c.START_NS}, t.{TOKEN_START})) AS ns
-            FROM srv_spans s JOIN {token_times(src)} t USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}, GREATEST(0, hi - lo) AS ns
+            FROM ({span_pieces_sql(src)}) p
         """)
         return "token_spans"
     return src.cached("token_spans", build)
 
 
-def _stage_sums(src: Source, tailed: str, *, grouped: bool) -> pd.DataFrame:
-    """Per (group, kind, stage): summed in-interval span time of the delivered tokens and of the tail tokens.
+def _sums(src: Source, tokens: str, g: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per (group, kind): tokens, summed latency and tail latency (``tot``); per (group, kind, stage): the stage time
+    of all the tokens and of the tail tokens (``per``).
 
-    One pass: each span joined to its token (``tailed``: the tokens with their tail flag) and clipped to the
-    token's interval as :func:`token_spans` does, summed straight into the few result rows (no per-span table
-    is written)."""
+    All tokens' stage time is the requests' (:data:`REQUEST_STAGE_NS`: token 0's part is TTFT's, the rest ITL's,
+    the same clipped time the per-token sums hold); the tail tokens' is read from their rows of
+    :data:`TOKEN_STAGE_NS` only. Both through :func:`analyzers.facts.relation_and_rows`: a run without saved facts
+    builds them in one pass over the spans (the per-request sums and the tail tokens' rows, not one row per token
+    of the run)."""
     c = col
-    clipped = f"GREATEST(0, LEAST(s.{c.END_NS}, k.t1) - GREATEST(s.{c.START_NS}, k.t0))"
-    # Only what the sums need crosses the join: without a grouping the group is the constant 0, and whether a
-    # token is the first is known from the span's own token index.
-    grp = "k.grp" if grouped else "0"
-    build = tailed if grouped else f"(SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, t0, t1, tail FROM {tailed})"
-    return src.df(f"""
-        SELECT {grp} AS grp, s.{c.TOKEN_INDEX} = 0 AS first, s.{c.STAGE} AS stage,
-               SUM({clipped})::DOUBLE AS ns, COALESCE(SUM({clipped}) FILTER (WHERE k.tail), 0)::DOUBLE AS tail_ns
-        FROM srv_spans s
-        JOIN {build} k ON s.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
-        GROUP BY ALL
-    """).assign(kind=lambda f: np.where(f["first"].astype(bool), "ttft", "itl"))
-
-
-def token_stage_sql(src: Source, stages: list[int]) -> str:
-    """SELECT of one row per delivered token: request_id, token_index and, per stage id in ``stages``, its
-    spans' time inside the token's interval summed (``stage_<id>_ns``, 0 without such a span): the rows of
-    :func:`token_spans` summed per token and stage, one column per stage."""
-    c = col
-    clipped = f"GREATEST(0, LEAST(s.{c.END_NS}, t.{TOKEN_END}) - GREATEST(s.{c.START_NS}, t.{TOKEN_START}))"
-    sums = ", ".join(f"SUM(CASE WHEN s.{c.STAGE} = {int(st)} THEN {clipped} ELSE 0 END) AS {facts.stage_column(st)}"
-                     for st in stages)
-    return f"""
-        SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}{", " + sums if sums else ""}
-        FROM srv_spans s JOIN {token_times(src)} t USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
-        GROUP BY s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}
-    """
-
-
-def _derived_stages(src: Source, derived: str) -> list[int]:
-    """Stage ids with a column in the derived per-token stage sums (stages the run's spans have)."""
-    prefix, suffix = facts.STAGE_COLUMN_PREFIX, "_ns"
-    return [int(name[len(prefix):-len(suffix)]) for name in src.engine.columns(derived)
-            if name.startswith(prefix) and name.endswith(suffix) and name[len(prefix):-len(suffix)].isdigit()]
-
-
-def _derived_tokens_sql(src: Source, g: str, derived: str, stages: list[int]) -> str:
-    """As :func:`_tokens_sql` (without the intervals, which the derived sums no longer need), from the derived
-    per-token stage sums, each token with its stage columns."""
-    c = col
-    stage_cols = "".join(f", w.{facts.stage_column(st)}" for st in stages)
-    columns = f"w.{c.REQUEST_ID}, w.{c.TOKEN_INDEX}, w.{LATENCY} AS lat, {g} AS grp, w.{c.TOKEN_INDEX} = 0 AS first"
-    if g == "0":
-        return f"SELECT {columns}{stage_cols} FROM {derived} w"
-    return f"SELECT {columns}{stage_cols} FROM {derived} w JOIN {request_table(src)} f USING ({c.REQUEST_ID})"
-
-
-def _derived_stage_sums(src: Source, tokens: str, stages: list[int]) -> pd.DataFrame:
-    """:func:`_stage_sums` from the derived per-token stage sums: the same integers summed per (group, kind)."""
-    parts = []
-    for i, st in enumerate(stages):
-        name = f"k.{facts.stage_column(st)}"
-        parts.append(f"SUM({name})::DOUBLE AS ns_{i}, COALESCE(SUM({name}) FILTER (WHERE k.tail), 0)::DOUBLE AS tail_{i}")
-    wide = src.df(f"SELECT k.grp, k.first{''.join(', ' + p for p in parts)} FROM ({_with_tail(tokens)}) k "
-                  f"GROUP BY k.grp, k.first")
-    rows = [{"grp": r["grp"], "first": r["first"], "stage": st, "ns": r[f"ns_{i}"], "tail_ns": r[f"tail_{i}"]}
-            for r in wide.to_dict("records") for i, st in enumerate(stages)]
-    per = pd.DataFrame(rows, columns=["grp", "first", "stage", "ns", "tail_ns"])
-    return per.assign(kind=np.where(per["first"].astype(bool), "ttft", "itl"))
+    every = src.df("SELECT grp, first, n, lat FROM bd_cut")
+    lowest = src.scalar("SELECT MIN(cut_lat) FROM bd_cut")
+    candidates = f"SELECT * FROM ({tokens}) c WHERE c.lat >= {int(lowest) if lowest is not None else 0}"
+    src.execute(f"CREATE OR REPLACE TEMP TABLE bd_tail AS SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, grp, first, lat "
+                f"FROM ({_with_tail(candidates)}) k WHERE k.tail")
+    per_request, tail_rows = facts.relation_and_rows(src, REQUEST_STAGE_NS, TOKEN_STAGE_NS, "bd_tail")
+    known = ", ".join(str(int(st)) for st in Stage)
+    first_ns = "COALESCE(w.first_ns, 0)"
+    join = "" if g == "0" else f" JOIN {request_table(src)} f USING ({c.REQUEST_ID})"
+    totals = src.df(f"""
+        SELECT {g} AS grp, w.{c.STAGE} AS stage, SUM({first_ns})::DOUBLE AS ttft_ns,
+               SUM(w.ns - {first_ns})::DOUBLE AS itl_ns
+        FROM {per_request} w{join}
+        WHERE w.{c.STAGE} IN ({known}) GROUP BY ALL
+    """)
+    stage_sums = "".join(f", SUM(w.{stage_column(st)})::DOUBLE AS ns_{i}" for i, st in enumerate(Stage))
+    tail = src.df(f"""
+        SELECT k.grp, k.first, SUM(k.lat)::DOUBLE AS tail_lat{stage_sums}
+        FROM bd_tail k JOIN ({tail_rows}) w
+             ON w.{c.REQUEST_ID} = k.{c.REQUEST_ID} AND w.{c.TOKEN_INDEX} = k.{c.TOKEN_INDEX}
+        GROUP BY k.grp, k.first
+    """)
+    src.execute("DROP TABLE IF EXISTS bd_tail")
+    key = ["grp", "first"]
+    merged = every.merge(tail, on=key, how="left")
+    tot = merged[key + ["n", "lat"]].assign(tail_lat=merged["tail_lat"].fillna(0.0),
+                                            kind=np.where(merged["first"].astype(bool), "ttft", "itl"))
+    long_totals = pd.concat([totals.assign(first=True, ns=totals["ttft_ns"]),
+                             totals.assign(first=False, ns=totals["itl_ns"])])[["grp", "first", "stage", "ns"]]
+    tail_rows = pd.DataFrame([{"grp": r["grp"], "first": bool(r["first"]), "stage": int(st),
+                               "tail_ns": 0.0 if pd.isna(r[f"ns_{i}"]) else r[f"ns_{i}"]}
+                              for r in tail.to_dict("records") for i, st in enumerate(Stage)],
+                             columns=["grp", "first", "stage", "tail_ns"])
+    per = long_totals.astype({"first": bool, "stage": "int64"}).merge(
+        tail_rows, on=["grp", "first", "stage"], how="outer")
+    per = per.fillna({"ns": 0.0, "tail_ns": 0.0})
+    return tot, per.assign(kind=np.where(per["first"].astype(bool), "ttft", "itl"))
 
 
 def breakdown(src: Source, *, by: str | None = None, window_s: float | None = None,
@@ -206,50 +319,44 @@ def breakdown(src: Source, *, by: str | None = None, window_s: float | None = No
         b = run_bounds(src)
         start = b[0] if b else 0
     g = group_sql(by, window_s, alias="f", start_ns=start)
-    derived = facts.view(src, "token_stage_ns")  # per-token stage sums of the run's derived facts
-    stages = _derived_stages(src, derived) if derived is not None else []
-    tokens = _tokens_sql(src, g) if derived is None else _derived_tokens_sql(src, g, derived, stages)
+    tokens = _tokens_sql(src, g)
     _tail_cuts(src, tokens, tail_fraction)
-    tailed = f"({_with_tail(tokens)})"
-    if derived is None:  # the tokens with their tail flag once, for the totals and for the join to the spans
-        src.execute(f"CREATE OR REPLACE TEMP TABLE token_tail AS {_with_tail(tokens)}")
-        tailed = "token_tail"
-    tot = src.df(f"""
-        SELECT grp, CASE WHEN first THEN 'ttft' ELSE 'itl' END AS kind, COUNT(*) AS n,
-               SUM(lat)::DOUBLE AS lat, SUM(lat) FILTER (WHERE tail)::DOUBLE AS tail_lat
-        FROM {tailed} GROUP BY grp, first
-    """)
-    per = _stage_sums(src, tailed, grouped=g != "0") if derived is None else _derived_stage_sums(src, tokens, stages)
-    src.execute("DROP TABLE IF EXISTS bd_tok; DROP TABLE IF EXISTS bd_cut; DROP TABLE IF EXISTS token_tail")
+    tot, per = _sums(src, tokens, g)
+    src.execute("DROP TABLE IF EXISTS bd_cut")
     groups = sorted(tot["grp"].unique().tolist()) if gcol is not None else [0]
-    frames = []
-    for grp in groups:
-        frame = _assemble(tot[tot["grp"] == grp], per[per["grp"] == grp])
-        if gcol is not None:
-            frame.insert(0, gcol, grp)
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)
+    result = _assemble(groups, tot, per)
+    if gcol is not None:
+        result.insert(0, gcol, np.repeat(pd.Series(groups).to_numpy(), len(STAGE_LABELS)))
+    return result
 
 
-def _assemble(tot: pd.DataFrame, per: pd.DataFrame) -> pd.DataFrame:
-    """The per-stage rows of one group from its token totals and per-stage sums."""
-    result = pd.DataFrame({"stage": STAGE_LABELS})
+def _assemble(groups: list, tot: pd.DataFrame, per: pd.DataFrame) -> pd.DataFrame:
+    """The per-stage rows of every group (``len(STAGE_LABELS)`` rows each, in ``groups`` order) from the token
+    totals and per-stage sums, all groups at once (a run with 10 000 tenants is 10 000 groups)."""
+    num_g, num_s = len(groups), len(STAGE_LABELS)
+    index = {grp: i for i, grp in enumerate(groups)}
+    result = pd.DataFrame({"stage": np.tile(np.array(STAGE_LABELS, dtype=object), num_g)})
     for kind in _KINDS:
         t = tot[tot["kind"] == kind]
-        n = int(t["n"].iloc[0]) if len(t) else 0
-        lat = float(t["lat"].iloc[0]) if len(t) else 0.0
-        tail_lat = float(t["tail_lat"].iloc[0]) if len(t) else 0.0
+        rows_t = np.array([index.get(g, -1) for g in t["grp"]], dtype=np.int64)
+        keep_t = rows_t >= 0
+        n, lat, tail_lat = np.zeros(num_g), np.zeros(num_g), np.zeros(num_g)
+        n[rows_t[keep_t]] = t["n"].to_numpy(float)[keep_t]
+        lat[rows_t[keep_t]] = t["lat"].to_numpy(float)[keep_t]
+        tail_lat[rows_t[keep_t]] = np.nan_to_num(t["tail_lat"].to_numpy(float)[keep_t])
         p = per[per["kind"] == kind]
-        ns = np.zeros(len(STAGE_LABELS))
-        tail = np.zeros(len(STAGE_LABELS))
-        for stage, v, tv in zip(p["stage"], p["ns"], p["tail_ns"]):
-            ns[ROW_OF_STAGE[int(stage)]] += v
-            tail[ROW_OF_STAGE[int(stage)]] += tv
-        ns[-1] = lat - ns[:-1].sum()
-        tail[-1] = tail_lat - tail[:-1].sum()
-        result[f"{kind}_mean_ms"] = ns / n / 1e6 if n else np.nan
-        result[f"{kind}_share"] = ns / lat if lat > 0 else np.nan
-        result[f"{kind}_tail_share"] = tail / tail_lat if tail_lat > 0 else np.nan
+        rows_p = np.array([index.get(g, -1) for g in p["grp"]], dtype=np.int64)
+        keep_p = rows_p >= 0
+        at = rows_p[keep_p] * num_s + ROW_OF_STAGE[p["stage"].to_numpy(np.int64)[keep_p]]
+        ns = np.bincount(at, weights=p["ns"].to_numpy(float)[keep_p], minlength=num_g * num_s).reshape(num_g, num_s)
+        tail = np.bincount(at, weights=p["tail_ns"].to_numpy(float)[keep_p],
+                           minlength=num_g * num_s).reshape(num_g, num_s)
+        ns[:, -1] = lat - ns[:, :-1].sum(axis=1)
+        tail[:, -1] = tail_lat - tail[:, :-1].sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            result[f"{kind}_mean_ms"] = np.where(n[:, None] > 0, ns / n[:, None] / 1e6, np.nan).ravel()
+            result[f"{kind}_share"] = np.where(lat[:, None] > 0, ns / lat[:, None], np.nan).ravel()
+            result[f"{kind}_tail_share"] = np.where(tail_lat[:, None] > 0, tail / tail_lat[:, None], np.nan).ravel()
     return result[["stage"] + [f"{k}_{m}" for k in _KINDS for m in ("mean_ms", "share", "tail_share")]]
 
 
@@ -265,27 +372,21 @@ def unattributed(src: Source) -> float:
 
 
 def token_stage_times(spans: pa.Table, requests: pa.Table, tokens: pa.Table, instances: pa.Table) -> pd.DataFrame:
-    """Wide table: one row per token, its latency and one column of ns per stage label + unattributed.
+    """Wide table: one row per token, its interval and latency and one column of ns per stage label + unattributed.
 
     For small in-memory tables (it is one row per token).
     """
     src = Source.of_tables(spans=spans, requests=requests, tokens=tokens, instances=instances)
-    ti = token_intervals(requests, tokens, instances)
     c = col
-    per = src.df(f"""
-        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}, SUM(ns) AS ns
-        FROM {token_spans(src)} GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.STAGE}
+    labels = ", ".join(f"w.{stage_column(st)} AS \"{st.label}\"" for st in Stage)
+    out = src.df(f"""
+        SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{TOKEN_START}, t.{TOKEN_END}, t.{LATENCY}, {labels}
+        FROM {token_times(src)} t JOIN {token_stage_ns(src)} w USING ({c.REQUEST_ID}, {c.TOKEN_INDEX})
+        ORDER BY t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}
     """)
-    out = ti
-    if len(per):
-        wide = per.pivot_table(index=[c.REQUEST_ID, c.TOKEN_INDEX], columns=c.STAGE, values="ns",
-                               aggfunc="sum", fill_value=0)
-        wide.columns = [Stage(int(s)).label for s in wide.columns]
-        out = ti.merge(wide.reset_index(), on=[c.REQUEST_ID, c.TOKEN_INDEX], how="left")
-    labels = [s.label for s in Stage]
-    for label in labels:
-        out[label] = out[label].fillna(0).astype("int64") if label in out else 0
-    out[UNATTRIBUTED_LABEL] = out[LATENCY] - out[labels].sum(axis=1)
+    names = [st.label for st in Stage]
+    out[names] = out[names].astype("int64")
+    out[UNATTRIBUTED_LABEL] = out[LATENCY] - out[names].sum(axis=1)
     return out
 
 

@@ -29,7 +29,7 @@ from analyzers.latency import latency
 from analyzers.neighbours import noisy_neighbours
 from analyzers.source import Source
 from analyzers.timing import request_table
-from tokentrace.schema import Stage, col
+from tokentrace.schema import REQUESTS, Stage, col
 
 __all__ = ["TenantReport", "tenant_shares", "jain_index", "fairness", "noisy_neighbours", "tenants", "compute_rows_sql"]
 
@@ -63,17 +63,15 @@ def _weights(src: Source, names: list[str], weights: Mapping[str, float] | None)
 def _compute_ns(src: Source) -> pd.DataFrame:
     """Per tenant: compute time in ns attributed from the steps (module doc)."""
     c = col
-    derived = facts.view(src, "request_compute_ns")
-    rows = derived or f"({compute_rows_sql(src)})"
     return src.df(f"""
         SELECT f.{c.TENANT}, COALESCE(SUM(w2.compute_ns), 0) AS compute_ns
-        FROM {rows} w2 JOIN {request_table(src)} f USING ({c.REQUEST_ID}) GROUP BY f.{c.TENANT}
+        FROM {facts.relation(src, REQUEST_COMPUTE_NS)} w2 JOIN {request_table(src)} f USING ({c.REQUEST_ID}) GROUP BY f.{c.TENANT}
     """)
 
 
 def compute_rows_sql(src: Source) -> str:
     """SELECT of (request_id, compute_ns): each request's share of every engine step it was in (module doc),
-    one row per (request, step); the derived fact ``request_compute_ns`` holds their sum per request."""
+    one row per (request, step); the derived fact :data:`REQUEST_COMPUTE_NS` holds their sum per request."""
     c = col
     p, d = int(Stage.PREFILL_COMPUTE), int(Stage.DECODE_COMPUTE)
     return f"""
@@ -137,3 +135,10 @@ def tenants(src: Source, *, weights: Mapping[str, float] | None = None) -> Tenan
     """Per-tenant latency, shares and Jain's index by requests, tokens and compute."""
     shares = tenant_shares(src, weights=weights)
     return TenantReport(latency(src, by="tenant"), shares, fairness(shares))
+
+
+REQUEST_COMPUTE_NS = facts.Fact(
+    "request_compute_ns", "Per request: its share of the engine steps it was in, summed (module doc).",
+    (REQUESTS.column(col.REQUEST_ID), facts.f64("compute_ns", "The request's share of its steps' time; ns.")),
+    select=lambda src: (f"SELECT {col.REQUEST_ID}, SUM(compute_ns) AS compute_ns FROM ({compute_rows_sql(src)}) "
+                        f"GROUP BY {col.REQUEST_ID}"))

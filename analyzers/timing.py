@@ -9,16 +9,28 @@ Definitions (all ns on the run's reference clock):
 * ``arrival``: earliest ``requests.arrival_ns`` of the request over server
   instances (the outermost process that saw it, e.g. the gateway).
 * ``t_i``, when output token i was delivered: its earliest ``tokens.sent_ns``
-  if any server instance streamed it, else its earliest ``tokens.emit_ns``.
-* token interval: token 0 ``[arrival, t_0]``; token i ``(t_{i-1}, t_i]``.
+  if any server instance streamed it, else its earliest ``tokens.recv_ns`` (the
+  streaming process held it back: no text yet), else its earliest ``tokens.emit_ns``.
+* ``F``, the first visible content: the request's ``first_content_ns`` (the first
+  chunk with text, earliest over server rows), else its first token sent to a
+  client, else its first delivery; never after its last delivery. TTFT is
+  ``F - arrival`` in every analysis: what AIPerf, ``vllm bench`` and the latency
+  table count.
+* token interval: token 0 ``[arrival, F]``; token i ``(max(t_{i-1}, F), max(t_i, F)]``.
+  A token delivered by ``F`` (held back and sent with the first content) has an
+  empty interval: its time is part of TTFT.
+* own interval (what a token's spans are clipped to, :mod:`analyzers.stage_breakdown`):
+  token 0 ``[arrival, t_0]``, token i ``(t_{i-1}, t_i]``; a token delivered by ``F``
+  counts its span time in token 0 (``counted_in_token``), so token 0's stages tile
+  ``[arrival, F]``.
 * a token's instance and engine step: those of the row that emitted it first.
 * a request's instance: the instance that emitted its token 0 (the engine
   that served it), else the lowest instance id among its request rows.
 
-:func:`token_times` and :func:`request_table` materialize these once per
-:class:`~analyzers.source.Source` as DuckDB temporary tables and return their
-names; when the run has current derived facts (:mod:`analyzers.facts`) they return
-views over those files instead (same columns, same rows). :func:`token_intervals` and
+:func:`token_times`, :func:`token_steps` and :func:`request_table` return the
+relations of the derived facts :data:`TOKEN_TIMES`, :data:`TOKEN_STEPS` and
+:data:`REQUEST_FACTS` (:func:`analyzers.facts.relation`: the run's saved copy, or
+built once per :class:`~analyzers.source.Source`). :func:`token_intervals` and
 :func:`request_facts` are the same facts for small in-memory Arrow tables, as pandas.
 """
 
@@ -29,17 +41,27 @@ import pyarrow as pa
 
 from analyzers import facts
 from analyzers.source import Source
-from tokentrace.schema import col
+from tokentrace.schema import REQUESTS, TOKENS, col
 
-__all__ = ["token_intervals", "request_facts", "token_times", "token_steps", "request_table", "run_bounds", "run_start",
-           "TOKEN_START", "TOKEN_END", "LATENCY", "LAST_TOKEN", "TTFT_NS", "TPOT_NS", "E2E_NS"]
+__all__ = ["TOKEN_TIMES", "TOKEN_STEPS", "REQUEST_FACTS", "token_intervals", "request_facts", "token_times",
+           "token_steps", "request_table", "run_bounds", "run_start", "TOKEN_START", "TOKEN_END", "LATENCY",
+           "OWN_START", "OWN_END", "COUNTED_IN", "LAST_TOKEN", "TTFT_NS", "TPOT_NS", "E2E_NS"]
 
 TOKEN_START = "token_start_ns"
-"""Start of a token's interval (arrival for token 0, previous delivery otherwise), ns."""
+"""Start of a token's interval (arrival for token 0, the previous token's end otherwise), ns."""
 TOKEN_END = "token_end_ns"
-"""When the token was delivered (t_i), ns."""
+"""End of a token's interval: the first visible content for token 0, else its delivery (never before the first
+visible content), ns."""
 LATENCY = "latency_ns"
 """TOKEN_END - TOKEN_START: TTFT for token 0, ITL otherwise, ns."""
+OWN_START = "own_start_ns"
+"""Start of the span of time the token's own spans are clipped to: arrival for token 0, else the previous token's
+own delivery, ns."""
+OWN_END = "own_end_ns"
+"""The token's own delivery (t_i), ns."""
+COUNTED_IN = "counted_in_token"
+"""The token whose interval the token's span time counts in: 0 for a token delivered by the first visible content
+(held back with it), else the token itself."""
 LAST_TOKEN = "last_token_ns"
 """Delivery time of a request's last token, ns."""
 TTFT_NS = "ttft_ns"
@@ -48,37 +70,35 @@ E2E_NS = "e2e_ns"
 
 
 def token_times(src: Source) -> str:
-    """Name of the temp table with one row per delivered output token.
+    """Relation of :data:`TOKEN_TIMES`: one row per delivered output token (request_id, token_index,
+    token_start_ns, token_end_ns, latency_ns).
 
-    Columns: request_id, token_index, token_start_ns, token_end_ns, latency_ns (and, when one server
-    process recorded every token, ``repeated_token``: always false; read the named columns). A token ends when a server process sent it to its client; failing that, when
-    the streaming process received it and held it back (no text yet: it went out
-    with the next chunk); failing that, when the engine emitted it.
+    A token ends when a server process sent it to its client; failing that, when the streaming process received
+    it and held it back (no text yet: it went out with the next chunk); failing that, when the engine emitted it.
     """
-    def build() -> str:
-        derived = facts.derived_file(src, "token_times")
-        if derived is not None:  # the run's derived facts, current for its part files: read in place
-            src.cached(_ONE_ROW_PER_TOKEN, lambda: derived.extra.get(facts.ONE_ROW_PER_TOKEN) == "1")
-            return facts.view(src, "token_times")
-        # One server process recorded the tokens (a colocated engine): each token has one row (the schema's
-        # contract), so the rows need no grouping per token. The window below checks that contract and any
-        # repeated token falls back to the grouped query.
-        if src.scalar(f"SELECT COUNT(DISTINCT {col.INSTANCE_ID}) FROM srv_tokens") == 1:
-            src.execute(_one_row_per_token_sql())
-            if not src.scalar(f"SELECT bool_or({_REPEATED}) FROM token_times"):
-                src.cached(_ONE_ROW_PER_TOKEN, lambda: True)
-                return "token_times"
-        src.cached(_ONE_ROW_PER_TOKEN, lambda: False)
-        src.execute(_grouped_sql())
-        return "token_times"
-    return src.cached("token_times", build)
+    return facts.relation(src, TOKEN_TIMES)
 
 
-_ONE_ROW_PER_TOKEN = facts.ONE_ROW_PER_TOKEN  # Source cache key: the server's token rows are one per token
+def _build_token_times(src: Source, table: str) -> None:
+    """Materialize :data:`TOKEN_TIMES` as ``table``."""
+    # One server process recorded the tokens (a colocated engine): each token has one row (the schema's
+    # contract), so the rows need no grouping per token. The window below checks that contract and any
+    # repeated token falls back to the grouped query.
+    if src.scalar(f"SELECT COUNT(DISTINCT {col.INSTANCE_ID}) FROM srv_tokens") == 1:
+        src.execute(_one_row_per_token_sql(table))
+        if not src.scalar(f"SELECT bool_or({_REPEATED}) FROM {table}"):
+            src.cached(_ONE_ROW_PER_TOKEN, lambda: True)
+            return
+    src.cached(_ONE_ROW_PER_TOKEN, lambda: False)
+    src.execute(_grouped_sql(table))
+
+
+_ONE_ROW_PER_TOKEN = "one_row_per_token"  # Source cache key: the server's token rows are one per token
 
 
 def _one_row_per_token(src: Source) -> bool:
-    """True when one server process recorded every token, once (checked while building :func:`token_times`)."""
+    """True when one server process recorded every token, once (known when :data:`TOKEN_TIMES` was built for this
+    source; False when it was read from the run's saved facts: then the general query is used)."""
     token_times(src)
     return bool(src.cached(_ONE_ROW_PER_TOKEN, lambda: False))
 
@@ -87,78 +107,100 @@ _REPEATED = "repeated_token"
 """Column of ``token_times`` built from one server process: true on a row whose token the previous row had."""
 
 
-def _one_row_per_token_sql() -> str:
+def _one_row_per_token_sql(table: str) -> str:
     """``token_times`` from rows that are one per token (no GROUP BY); ``repeated_token`` marks a broken contract."""
     c = col
     t_end = f"COALESCE(t.{c.SENT_NS}, t.{c.RECV_NS}, t.{c.EMIT_NS})"
-    start = f"CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END"
     return f"""
-        CREATE OR REPLACE TEMP TABLE token_times AS
-        WITH arrivals AS (
-            SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM srv_requests GROUP BY {c.REQUEST_ID}
-        ), ordered AS (
+        CREATE OR REPLACE TEMP TABLE {table} AS
+        WITH arrivals AS ({_ARRIVALS}), ordered AS (
             SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, {t_end} AS t_end, a.arrival,
-                   LAG({t_end}) OVER w AS prev_end, LAG(t.{c.TOKEN_INDEX}) OVER w AS prev_index
+                   LAG({t_end}) OVER w AS prev_end, LAG(t.{c.TOKEN_INDEX}) OVER w AS prev_index,
+                   {_first_visible(t_end, f"t.{c.SENT_NS}")}
             FROM srv_tokens t JOIN arrivals a USING ({c.REQUEST_ID})
             WHERE {t_end} IS NOT NULL
-            WINDOW w AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX})
+            WINDOW w AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX}),
+                   r AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX} {_WHOLE})
         )
-        SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {start} AS {TOKEN_START}, t_end AS {TOKEN_END},
-               t_end - {start} AS {LATENCY}, COALESCE(prev_index = {c.TOKEN_INDEX}, false) AS {_REPEATED}
-        FROM ordered
-        WHERE ({c.TOKEN_INDEX} = 0 AND arrival IS NOT NULL) OR ({c.TOKEN_INDEX} > 0 AND prev_end IS NOT NULL)
+        {_intervals_sql("COALESCE(prev_index = " + c.TOKEN_INDEX + ", false) AS " + _REPEATED)}
     """
 
 
-def _grouped_sql() -> str:
+def _grouped_sql(table: str) -> str:
     """``token_times`` from any rows: each token's times grouped over the processes that recorded it."""
     c = col
     return f"""
-        CREATE OR REPLACE TEMP TABLE token_times AS
-        WITH arrivals AS (
-            SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival FROM srv_requests GROUP BY {c.REQUEST_ID}
-        ), ends AS (
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
+        CREATE OR REPLACE TEMP TABLE {table} AS
+        WITH arrivals AS ({_ARRIVALS}), ends AS (
+            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, MIN({c.SENT_NS}) AS sent,
                    COALESCE(MIN({c.SENT_NS}), MIN({c.RECV_NS}), MIN({c.EMIT_NS})) AS t_end
             FROM srv_tokens GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
         ), ordered AS (
-            SELECT e.*, a.arrival,
-                   LAG(e.t_end) OVER (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX}) AS prev_end
+            SELECT e.{c.REQUEST_ID}, e.{c.TOKEN_INDEX}, e.t_end, a.arrival, LAG(e.t_end) OVER w AS prev_end,
+                   LAG(e.{c.TOKEN_INDEX}) OVER w AS prev_index, {_first_visible("e.t_end", "e.sent")}
             FROM ends e JOIN arrivals a USING ({c.REQUEST_ID})
             WHERE e.t_end IS NOT NULL
+            WINDOW w AS (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX}),
+                   r AS (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX} {_WHOLE})
         )
+        {_intervals_sql()}
+    """
+
+
+_ARRIVALS = (f"SELECT {col.REQUEST_ID}, MIN({col.ARRIVAL_NS}) AS arrival, MIN({col.FIRST_CONTENT_NS}) AS first_content "
+             f"FROM srv_requests GROUP BY {col.REQUEST_ID}")
+"""Per request: its arrival and its first visible content (earliest over the server rows), for ``token_times``."""
+
+
+_WHOLE = "ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING"
+
+
+def _first_visible(t_end: str, sent: str) -> str:
+    """The select item ``first_visible`` (``F`` of the module doc) of a token row in CTE ``ordered``, over its
+    request's rows (window ``r``: the whole partition, in the order of ``w``, so no second sort); ``a`` is the
+    arrivals CTE."""
+    return (f"LEAST(COALESCE(a.first_content, MIN({sent}) OVER r, MIN({t_end}) OVER r), MAX({t_end}) OVER r) "
+            f"AS first_visible")
+
+
+def _intervals_sql(extra: str = "") -> str:
+    """The SELECT of ``token_times`` from CTE ``ordered`` (request_id, token_index, t_end: the token's own
+    delivery, arrival, prev_end, prev_index, first_visible), as the module doc defines the intervals."""
+    c = col
+    first = "first_visible"
+    return f"""
         SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX},
-               CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {TOKEN_START},
-               t_end AS {TOKEN_END},
-               t_end - CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {LATENCY}
+               CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival WHEN prev_index = 0 THEN {first}
+                    ELSE GREATEST(prev_end, {first}) END AS {TOKEN_START},
+               CASE WHEN {c.TOKEN_INDEX} = 0 THEN {first} ELSE GREATEST(t_end, {first}) END AS {TOKEN_END},
+               CASE WHEN {c.TOKEN_INDEX} = 0 THEN {first} - arrival
+                    ELSE GREATEST(t_end, {first})
+                         - CASE WHEN prev_index = 0 THEN {first} ELSE GREATEST(prev_end, {first}) END END AS {LATENCY},
+               CASE WHEN {c.TOKEN_INDEX} = 0 THEN arrival ELSE prev_end END AS {OWN_START},
+               t_end AS {OWN_END},
+               CASE WHEN {c.TOKEN_INDEX} > 0 AND t_end <= {first} THEN 0 ELSE {c.TOKEN_INDEX} END AS {COUNTED_IN}
+               {", " + extra if extra else ""}
         FROM ordered
         WHERE ({c.TOKEN_INDEX} = 0 AND arrival IS NOT NULL) OR ({c.TOKEN_INDEX} > 0 AND prev_end IS NOT NULL)
     """
 
 
 def token_steps(src: Source) -> str:
-    """Name of the temp table: request_id, token_index, instance_id, engine_step of the row that emitted
-    each token first (null step / instance when no server row has an emit time)."""
-    def build() -> str:
-        c = col
-        derived = facts.view(src, "token_steps")
-        if derived is not None:
-            return derived
-        if _one_row_per_token(src):  # one row per token already: nothing to choose between
-            src.execute(f"""
-            CREATE OR REPLACE TEMP TABLE token_steps AS
-            SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.INSTANCE_ID}, {c.STEP}
-            FROM srv_tokens WHERE {c.EMIT_NS} IS NOT NULL
-            """)
-            return "token_steps"
-        src.execute(f"""
-        CREATE OR REPLACE TEMP TABLE token_steps AS
+    """Relation of :data:`TOKEN_STEPS`: request_id, token_index, instance_id, engine_step of the row that emitted
+    each token first (tokens no server row has an emit time for are left out)."""
+    return facts.relation(src, TOKEN_STEPS)
+
+
+def _token_steps_sql(src: Source) -> str:
+    c = col
+    if _one_row_per_token(src):  # one row per token already: nothing to choose between
+        return (f"SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, {c.INSTANCE_ID}, {c.STEP} "
+                f"FROM srv_tokens WHERE {c.EMIT_NS} IS NOT NULL")
+    return f"""
         SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, arg_min({c.INSTANCE_ID}, {c.EMIT_NS}) AS {c.INSTANCE_ID},
                arg_min({c.STEP}, {c.EMIT_NS}) AS {c.STEP}
         FROM srv_tokens WHERE {c.EMIT_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-        """)
-        return "token_steps"
-    return src.cached("token_steps", build)
+    """
 
 
 def request_table(src: Source) -> str:
@@ -176,14 +218,13 @@ def request_table(src: Source) -> str:
     TTFT of AIPerf and ``vllm bench``: a chunk without text (a role-only chunk, or
     a token that completes no character) does not end it.
     """
-    def build() -> str:
-        c = col
-        derived = facts.view(src, "request_facts")
-        if derived is not None:
-            return derived
-        tt, ts = token_times(src), token_steps(src)
-        src.execute(f"""
-        CREATE OR REPLACE TEMP TABLE request_facts AS
+    return facts.relation(src, REQUEST_FACTS)
+
+
+def _request_facts_sql(src: Source) -> str:
+    c = col
+    tt, ts = token_times(src), token_steps(src)
+    return f"""
         WITH r AS (
             SELECT {c.REQUEST_ID}, MAX({c.REQUEST_KEY}) AS {c.REQUEST_KEY},
                    COALESCE(MAX({c.TENANT}), '') AS {c.TENANT}, COALESCE(MAX({c.SLO_CLASS}), '') AS {c.SLO_CLASS},
@@ -214,9 +255,48 @@ def request_table(src: Source) -> str:
                CASE WHEN t.{c.FIRST_TOKEN_NS} IS NOT NULL
                     THEN COALESCE(r.{c.FINISH_NS}, t.{LAST_TOKEN}) - r.{c.ARRIVAL_NS} END AS {E2E_NS}
         FROM r LEFT JOIN t USING ({c.REQUEST_ID}) LEFT JOIN i USING ({c.REQUEST_ID})
-        """)
-        return "request_facts"
-    return src.cached("request_facts", build)
+    """
+
+
+_REQ_ID = TOKENS.column(col.REQUEST_ID)
+_TOKEN_INDEX = TOKENS.column(col.TOKEN_INDEX)
+
+TOKEN_TIMES = facts.Fact(
+    "token_times", "One row per delivered output token: its interval on the reference clock (module doc).",
+    (_REQ_ID, _TOKEN_INDEX,
+     facts.i64(TOKEN_START, "Start of the token's interval: the request's arrival for token 0, else the previous "
+                            "token's delivery; ns, reference clock."),
+     facts.i64(TOKEN_END, "When the token was delivered (t_i); ns, reference clock."),
+     facts.i64(LATENCY, "token_end_ns - token_start_ns: TTFT for token 0, ITL otherwise; ns."),
+     facts.i64(OWN_START, "Start of the time its own spans are clipped to: arrival for token 0, else the previous "
+                          "token's delivery; ns, reference clock."),
+     facts.i64(OWN_END, "The token's own delivery (t_i); ns, reference clock."),
+     facts.i32(COUNTED_IN, "The token whose interval its span time counts in (0 when delivered by the first "
+                           "visible content).")),
+    build=_build_token_times)
+
+TOKEN_STEPS = facts.Fact(
+    "token_steps", "One row per token a server row has an emit time for: the instance and engine step of the row "
+                   "that emitted it first.",
+    (_REQ_ID, _TOKEN_INDEX, TOKENS.column(col.INSTANCE_ID), TOKENS.column(col.STEP)),
+    select=_token_steps_sql)
+
+REQUEST_FACTS = facts.Fact(
+    "request_facts", "One row per request (server view): identity, grouping columns, times and counts "
+                     "(:func:`request_table`).",
+    (REQUESTS.column(col.REQUEST_ID), REQUESTS.column(col.REQUEST_KEY), REQUESTS.column(col.TENANT),
+     REQUESTS.column(col.SLO_CLASS), REQUESTS.column(col.ARRIVAL_NS), REQUESTS.column(col.FINISH_NS),
+     REQUESTS.column(col.STATUS), facts.i64(col.NUM_PROMPT_TOKENS, "Prompt tokens (most any server row saw)."),
+     facts.i64(col.NUM_CACHED_TOKENS, "Prompt tokens served from the prefix cache (most any server row saw)."),
+     facts.i64(col.FIRST_TOKEN_NS, "First visible content sent (first_content_ns), else first token delivered; "
+                                   "ns, reference clock."),
+     facts.i64(LAST_TOKEN, "Delivery of the request's last token; ns, reference clock."),
+     facts.i64(col.NUM_OUTPUT_TOKENS, "Tokens delivered."),
+     facts.i64(col.INSTANCE_ID, "The instance that emitted token 0, else the lowest instance of its rows."),
+     facts.i64(TTFT_NS, "first_token_ns - arrival_ns."),
+     facts.f64(TPOT_NS, "(last - first token) / (tokens - 1); null with one token."),
+     facts.i64(E2E_NS, "Finish (else last token) - arrival; null without a first token.")),
+    select=_request_facts_sql)
 
 
 def run_bounds(src: Source) -> tuple[int, int] | None:

@@ -3,7 +3,7 @@
 A trivial SSE server (raw asyncio, in a child process so it does not share the
 client's event loop or GIL) streams ``TOKENS`` chunks per request, ``GAP_MS`` apart,
 and notes ``time.monotonic_ns()`` just before writing each chunk. The load generator
-(the real runner of ``tokentrace.bench``, with ``--processes`` sender processes as the
+(the real runner of ``tokentrace.app.bench``, with ``--processes`` sender processes as the
 CLI runs it; default 1) sends at a constant rate; for every token, its timing error is
 ``recv_ns (client) - send time (server)``, both on this host's monotonic clock
 (CLOCK_MONOTONIC is system-wide on Linux). That error is what the generator adds to
@@ -174,11 +174,11 @@ def _bench_errors(url: str, rps: float, seconds: float, seed: int, processes: in
     """``tokentrace bench`` sending at ``rps`` for ``seconds``: its counts and its timing errors (ms)."""
     import httpx
 
-    from tokentrace.bench.arrivals import Arrivals
-    from tokentrace.bench.client import RequestOptions
-    from tokentrace.bench.plan import build_plan
-    from tokentrace.bench.runner import RunLimits, run_bench
-    from tokentrace.bench.synthetic import LengthDist, SyntheticSpec
+    from tokentrace.app.bench.arrivals import Arrivals
+    from tokentrace.app.bench.client import RequestOptions
+    from tokentrace.app.bench.plan import build_plan
+    from tokentrace.app.bench.runner import RunLimits, run_bench
+    from tokentrace.app.bench.synthetic import LengthDist, SyntheticSpec
 
     n = max(10, int(rps * seconds))
     plan = build_plan(synthetic=SyntheticSpec(LengthDist("fixed", 16), LengthDist("fixed", TOKENS)),

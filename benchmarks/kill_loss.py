@@ -11,8 +11,14 @@ times and prints one line per process and trial, the machine, and last::
 
     events_lost_vs_budget=<worst gap over processes and trials / 1 s>
 
+``--busy-loops N`` (default 2) runs N processes spinning on the CPU for the whole of each trial
+(started before the deployment, killed with the trial), so the machine is oversubscribed
+(2 busy loops on 2 cores: twice as many runnable threads as cores) as a loaded host is: the
+deployment and its flush threads then get the CPU only part of the time. ``--busy-loops 0``
+measures a quiet machine.
+
 Target: <= 1.0 (at most 1 s of events lost). Run from the repository root:
-``python benchmarks/kill_loss.py [--trials 3]`` (about 20 s per trial on 2 CPU cores).
+``python benchmarks/kill_loss.py [--trials 3] [--busy-loops 2]`` (about 20 s per trial on 2 CPU cores).
 Measured on a tree without the crash journal (parts every 5 s only), the same run lost
 2.7 to 5.5 s per process.
 """
@@ -49,7 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--streams", type=int, default=4, help="streams kept in flight")
     p.add_argument("--after-part-s", type=float, default=2.0, help="load after the first part, before the kill")
-    return p.parse_args(argv)
+    p.add_argument("--busy-loops", type=int, default=2, help="CPU-bound processes running during each trial")
+    args = p.parse_args(argv)
+    if args.busy_loops < 0 or args.trials < 1:
+        p.error("--busy-loops must be >= 0 and --trials >= 1")
+    return args
+
+
+def _busy_loops(num: int) -> list[subprocess.Popen]:
+    """``num`` processes that spin on the CPU until killed (each ends by itself after 10 minutes at most)."""
+    code = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(num)]
 
 
 def _children(pid: int) -> list[int]:
@@ -104,7 +120,17 @@ def _last_events(run) -> dict[str, int]:
 
 
 def trial(store: Path, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, "-c", "from tokentrace.cli import main; main()", "run", "--store", str(store), "--run",
+    busy = _busy_loops(args.busy_loops)
+    try:
+        return _trial(store, args)
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+
+
+def _trial(store: Path, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(store), "--run",
            "k", "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", "tiny", "--device", "cpu",
            "--mode", "disagg", "--router", "load", "--block-size", "4", "--num-device-blocks", "512",
            "--delay", "decode_step=4ms"]
@@ -152,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         worst = max([worst, *gaps.values()])
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
           f"{platform.python_version()}, {args.trials} trials, {args.streams} streams, "
-          f"kill {args.after_part_s} s after the first part")
+          f"kill {args.after_part_s} s after the first part, {args.busy_loops} busy loops, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"events_lost_vs_budget={worst / 1.0:.3f}")
 
 

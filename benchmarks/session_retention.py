@@ -1,6 +1,6 @@
 """Benchmark: what KV retention between turns is worth to an agent workload on the reference engine.
 
-The same agent sessions (``tokentrace.bench.sessions.MIXES["agent"]``, lengths x``--length-scale``)
+The same agent sessions (``tokentrace.app.bench.sessions.MIXES["agent"]``, lengths x``--length-scale``)
 run in-process on the reference engine (model ``--model``, block size 16, ``--device-blocks`` device
 blocks, a host tier of ``--host-blocks``; without one ``offload`` behaves as ``lru``) once per
 retention policy: ``lru`` (no session awareness), ``keep``, ``offload`` and ``drop``. ``--sessions``
@@ -41,7 +41,7 @@ from instrument.reference_engine import EngineTracer  # noqa: E402
 from reference_server.engine.config import RETENTION_POLICIES, EngineConfig  # noqa: E402
 from reference_server.engine.engine import Engine  # noqa: E402
 from reference_server.model import SamplingParams  # noqa: E402
-from tokentrace.bench.sessions import MIXES  # noqa: E402
+from tokentrace.app.bench.sessions import MIXES  # noqa: E402
 from tokentrace.recorder import BufferedRecorder  # noqa: E402
 from tokentrace.recorder.sink import InMemorySink  # noqa: E402
 from tokentrace.schema import Role  # noqa: E402

@@ -20,7 +20,7 @@ from dashboard.components import figures, new_runs
 from dashboard.components.controls import register_callbacks
 from dashboard.components.shell import SOURCE_KEY
 from dashboard.data import DataSource
-from tokentrace.report.plotly_bundle import BUNDLE_NAME, bundle_path
+from tokentrace.app.report.plotly_bundle import BUNDLE_NAME, bundle_path
 
 __all__ = ["create_app"]
 
@@ -67,7 +67,7 @@ def create_app(store_path: str | os.PathLike[str], *, live: bool = False, refres
 
 
 def _serve_plotly_bundle(app: dash.Dash) -> None:
-    """Serve tokentrace's plotly.js partial bundle (:mod:`tokentrace.report.plotly_bundle`) and load it
+    """Serve tokentrace's plotly.js partial bundle (:mod:`tokentrace.app.report.plotly_bundle`) and load it
     before Dash's own scripts: Dash's Graph then draws with this ``window.Plotly`` and never fetches
     the full 4.8 MB bundle. The URL carries the file's mtime, so it can be cached for a year."""
     path = bundle_path()

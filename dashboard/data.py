@@ -3,11 +3,12 @@
 Every number the dashboard shows comes from :mod:`analyzers` through a
 :class:`DataSource`. It
 
-* validates run ids from URLs against ``tokentrace.runs(store)``: an id is only
+* validates run ids from URLs against ``tokentrace.store.list_runs(store)``: an id is only
   ever used after it was found among the store's own run folders, so no path
   taken from a request reaches the file system unchecked;
-* caches analyzer results in a small LRU keyed by (run id, data version,
-  analyzer method, its arguments); the data version is a fingerprint of the
+* calls analyses as ``RunAnalysis`` methods (``src.result(rid, RunAnalysis.latency)``), never by name,
+  and caches their results in a small LRU keyed by (run id, data version,
+  analysis, its arguments); the data version is a fingerprint of the
   run's finished files, so in live mode new files invalidate the cache and in
   static mode it is computed once per run;
 * serialises analyzer calls per run (an ``analyzers.analysis.RunAnalysis`` holds a
@@ -34,12 +35,12 @@ from typing import Any, Callable, Hashable, TypeVar
 import numpy as np
 import pandas as pd
 
-import tokentrace
-from tokentrace.analysis import Run
+from analyzers.analysis import RunAnalysis
+from tokentrace.app.analysis import Run
+from tokentrace.app.report.render_names import instance_labels
 from tokentrace.clock import latest_instances
-from tokentrace.report.render_names import instance_labels
-from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TABLES, TOKENS, col
-from tokentrace.store import RunInfo, StoreError
+from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, col
+from tokentrace.store import RunInfo, StoreError, list_runs
 from tokentrace.store.reader import find_run_dirs
 
 __all__ = ["DataSource", "RequestTrace", "downsample", "series_window_s", "warm_calls", "MAX_POINTS",
@@ -120,7 +121,7 @@ class DataSource:
             if folders == listing[1]:
                 self._listing = (now, folders, listing[2])
                 return listing[2]
-        infos = tokentrace.runs(self.store)
+        infos = list_runs(self.store)
         self._listing = (now, tuple(Path(i.path).name for i in infos), infos)
         return infos
 
@@ -149,16 +150,10 @@ class DataSource:
         return Run(path)
 
     def version(self, run_id: str) -> Hashable:
-        """A fingerprint of the run's finished files: (files, bytes, newest mtime). Fixed once in static mode."""
+        """The run's fingerprint (``Run.fingerprint``: its finished part files). Fixed once in static mode."""
         if not self.live and run_id in self._static_versions:
             return self._static_versions[run_id]
-        run = self.open(run_id)
-        count = size = newest = 0
-        for name in TABLES:
-            for f in run.files(name):
-                st = f.stat()
-                count, size, newest = count + 1, size + st.st_size, max(newest, st.st_mtime_ns)
-        fingerprint = (count, size, newest)
+        fingerprint = self.open(run_id).fingerprint()
         if not self.live:
             self._static_versions[run_id] = fingerprint
         return fingerprint
@@ -183,10 +178,10 @@ class DataSource:
         every later view, in this process or the next, reads them instead of deriving them again. A run still
         being written (live) is analyzed from its part files only. Best effort: a read-only store, or a run a
         writer reopened meanwhile, is analyzed through the part files as before."""
-        from analyzers.derivation import derive, run_is_finished
+        from analyzers.derivation import derive
 
         try:
-            if run_is_finished(run):
+            if run.is_finished():
                 derive(run)
         except Exception:  # noqa: BLE001 - the derived facts are a cache; the part files remain the answer
             pass
@@ -205,35 +200,19 @@ class DataSource:
                 self._results.put(full_key, value)
         return value
 
-    def result(self, run_id: str, method: str, **kwargs: Hashable) -> Any:
-        """``RunAnalysis.<method>(**kwargs)`` of the run, cached (see :meth:`cached`)."""
+    def result(self, run_id: str, analysis: Callable[..., T], **kwargs: Hashable) -> T:
+        """``analysis(RunAnalysis of the run, **kwargs)``, cached (see :meth:`cached`). ``analysis`` is a
+        ``RunAnalysis`` method, called through its class: ``src.result(rid, RunAnalysis.latency, by="tenant")``,
+        ``src.result(rid, RunAnalysis.capacity_cdf)``, so a misspelt analysis fails where it is written."""
+        if not callable(analysis):
+            raise TypeError(f"an analysis is a RunAnalysis method (RunAnalysis.latency), got {analysis!r}")
         rid = self.resolve(run_id)
-        key = (method, tuple(sorted(kwargs.items())))
+        key = (analysis.__qualname__, tuple(sorted(kwargs.items())))
 
-        def compute() -> Any:
-            return getattr(self._analysis(rid, self.version(rid)), method)(**kwargs)
+        def compute() -> T:
+            return analysis(self._analysis(rid, self.version(rid)), **kwargs)
 
         return self.cached(rid, key, compute)
-
-    def compute(self, run_id: str, call: str, **kwargs: Hashable) -> Any:
-        """One of :func:`warm_calls`' calls: ``capacity.<function>`` (:meth:`capacity`) or a ``RunAnalysis``
-        method (:meth:`result`), cached."""
-        if call.startswith(_CAPACITY):
-            return self.capacity(run_id, call[len(_CAPACITY):], **kwargs)
-        return self.result(run_id, call, **kwargs)
-
-    def capacity(self, run_id: str, function: str, **kwargs: Hashable) -> Any:
-        """``analyzers.capacity.<function>(source, **kwargs)`` of the run, cached (see :meth:`cached`)."""
-        from analyzers import capacity
-
-        if function not in capacity.__all__ or not callable(getattr(capacity, function)):
-            raise StoreError(f"no capacity analysis {function[:40]!r}")
-        rid = self.resolve(run_id)
-
-        def compute() -> Any:
-            return getattr(capacity, function)(self._analysis(rid, self.version(rid)).source, **kwargs)
-
-        return self.cached(rid, ("capacity", function, tuple(sorted(kwargs.items()))), compute)
 
     def instance_names(self, run_id: str) -> dict[int, str]:
         """Instance id -> the name a person reads (``prefill-0``), for every traced process of the run."""
@@ -244,20 +223,21 @@ class DataSource:
 
         return self.cached(rid, "instance_names", compute)
 
-    def diff(self, candidate: str, baseline: str) -> pd.DataFrame:
-        """``analyzers`` diff of two validated runs (candidate against baseline), cached."""
+    def compare(self, candidate: str, baseline: str) -> pd.DataFrame:
+        """Two validated runs compared (candidate against baseline, ``RunAnalysis.compare``: one run a side, judged
+        against the documented run-to-run noise), cached."""
         cand, base = self.resolve(candidate), self.resolve(baseline)
         base_version = self.version(base)
 
         def compute() -> pd.DataFrame:
             base_analysis = self._analysis(base, base_version)
-            return self._analysis(cand, self.version(cand)).diff(base_analysis)
+            return self._analysis(cand, self.version(cand)).compare([base_analysis])
 
-        return self.cached(cand, ("diff", base, base_version), compute)
+        return self.cached(cand, ("compare", base, base_version), compute)
 
-    def warm(self, run_id: str | None, calls: list[tuple[str, dict[str, Hashable]]] | None = None
+    def warm(self, run_id: str | None, calls: list[tuple[Callable[..., Any], dict[str, Hashable]]] | None = None
              ) -> threading.Thread:
-        """Compute ``calls`` (method, kwargs; default :func:`warm_calls`) for a run in a daemon thread.
+        """Compute ``calls`` (analysis, kwargs; default :func:`warm_calls`) for a run in a daemon thread.
 
         So that the first view of a run does not wait for its analyzers. Errors are left for the pages to show.
         """
@@ -265,9 +245,9 @@ class DataSource:
         calls = warm_calls(self.info(rid)) if calls is None else calls
 
         def work() -> None:
-            for method, kwargs in calls:
+            for analysis, kwargs in calls:
                 try:
-                    self.compute(rid, method, **kwargs)
+                    self.result(rid, analysis, **kwargs)
                 except Exception:  # noqa: BLE001 - warming is best effort; the page will show the error
                     pass
 
@@ -294,7 +274,7 @@ class DataSource:
     def all_requests(self, run_id: str) -> pd.DataFrame:
         """The run's slowest ``MAX_LISTED_REQUESTS`` requests with latencies and stage times, slowest first."""
         rid = self.resolve(run_id)
-        return self.result(rid, "slowest_requests", n=MAX_LISTED_REQUESTS)
+        return self.result(rid, RunAnalysis.slowest_requests, n=MAX_LISTED_REQUESTS)
 
     def request_choices(self, run_id: str) -> dict[str, list[str]]:
         """The tenants and SLO classes the run's requests have (for the explorer's filters)."""
@@ -344,25 +324,21 @@ def series_window_s(duration_ns: int) -> int:
     return next((w for w in _WINDOWS_S if w >= wanted), _WINDOWS_S[-1])
 
 
-_CAPACITY = "capacity."  # prefix of the capacity analyses among warm_calls
-
-
-def warm_calls(info: RunInfo) -> list[tuple[str, dict[str, Hashable]]]:
-    """The analyzer calls the views make for a run by default (what warming computes ahead), the Overview's
-    first; ``capacity.<function>`` names an :mod:`analyzers.capacity` function (:meth:`DataSource.compute`)."""
+def warm_calls(info: RunInfo) -> list[tuple[Callable[..., Any], dict[str, Hashable]]]:
+    """The analyses the views ask of a run by default (what warming computes ahead), the Overview's first."""
     w = series_window_s(info.duration_ns)
+    a = RunAnalysis
     return [
-        ("load", {}), ("latency", {}), ("latency", {"window_s": w}), ("slo", {}),
-        ("goodput", {}), ("pd_ratio", {}),
-        ("capacity.throughput_summary", {}), ("capacity.percentiles", {}), ("capacity.offered_load", {}),
-        ("capacity.slo_targets", {}), ("capacity.throughput", {"window_s": w}),
-        ("capacity.load_latency", {"window_s": w}), ("queues", {"bucket_s": float(w)}), ("capacity.cdf", {}),
-        ("capacity.ttft_by_prompt", {}),
-        ("attribution", {}), ("stage_breakdown", {"by": None}), ("critical_path", {}),
-        ("slowest_requests", {"n": MAX_LISTED_REQUESTS}),
-        ("queues", {}), ("cache", {}), ("batch", {}), ("interference", {}), ("speculation", {}), ("sessions", {}), ("tenants", {}),
-        ("noisy_neighbours", {}),
-        ("stage_breakdown", {"by": "tenant"}), ("stage_breakdown", {"by": "slo_class"}),
+        (a.load, {}), (a.latency, {}), (a.latency, {"window_s": w}), (a.slo, {}), (a.goodput, {}), (a.pd_ratio, {}),
+        (a.capacity_throughput_summary, {}), (a.capacity_percentiles, {}), (a.capacity_offered_load, {}),
+        (a.capacity_slo_targets, {}), (a.capacity_throughput, {"window_s": w}),
+        (a.capacity_load_latency, {"window_s": w}), (a.queues, {"bucket_s": float(w)}), (a.capacity_cdf, {}),
+        (a.capacity_ttft_by_prompt, {}),
+        (a.attribution, {}), (a.stage_breakdown, {"by": None}), (a.critical_path, {}),
+        (a.slowest_requests, {"n": MAX_LISTED_REQUESTS}),
+        (a.queues, {}), (a.cache, {}), (a.batch, {}), (a.interference, {}), (a.speculation, {}), (a.sessions, {}),
+        (a.tenants, {}), (a.noisy_neighbours, {}),
+        (a.stage_breakdown, {"by": "tenant"}), (a.stage_breakdown, {"by": "slo_class"}),
     ]
 
 

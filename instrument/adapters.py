@@ -2,14 +2,16 @@
 
 ``pyproject.toml`` names :data:`ADAPTERS` in the ``tokentrace.adapters``
 entry-point group; ``tokentrace.adapters.adapter_for`` loads it the first time
-``tokentrace.instrument(target)`` is given a target. Two adapters:
+``tokentrace.instrument(target)`` is given a target. Three adapters:
 
 * :class:`ReferenceEngineAdapter`: the reference ``Engine`` (or an
   ``AsyncEngine`` wrapping one), traced by
   :class:`instrument.reference_engine.EngineTracer`;
 * :class:`ReferenceServingAdapter`: the reference serving stack's objects
   (gateway app or ``Gateway``, ``LocalBackend``, a worker process's
-  ``Worker``), traced by the tracers :mod:`instrument.reference_serving` picks.
+  ``Worker``), traced by the tracers :mod:`instrument.reference_serving` picks;
+* :class:`instrument.hf_transformers.TransformersAdapter`: a Hugging Face transformers
+  model, whose forward passes it times for ``instrument.hf_transformers.TokenStreamer``.
 
 Neither imports the reference server for an object that is not its own.
 Set-up code: runs once per ``instrument`` call, may raise ``TypeError``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from instrument.hf_transformers import TransformersAdapter
 from tokentrace.adapters import Attachment
 from tokentrace.recorder import Recorder
 from tokentrace.schema import Role
@@ -56,11 +59,13 @@ class ReferenceEngineAdapter:
         return None
 
     def attach(self, target: Any, recorder: Recorder, role: Role) -> Attachment:
+        from instrument.engine_config import record_engine_config
         from instrument.reference_engine import EngineTracer
 
         engine = _engine_of(target)
         if engine is None:
             raise TypeError(f"not a reference engine: {type(target).__name__}")
+        record_engine_config(recorder, engine, role=role)
         tracer = EngineTracer(recorder)
         engine.add_observer(tracer)
 
@@ -115,5 +120,5 @@ class ReferenceServingAdapter:
         return "ReferenceServingAdapter()"
 
 
-ADAPTERS = (ReferenceEngineAdapter(), ReferenceServingAdapter())
+ADAPTERS = (ReferenceEngineAdapter(), ReferenceServingAdapter(), TransformersAdapter())
 """What the ``tokentrace.adapters`` entry point ``reference`` names."""

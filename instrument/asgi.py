@@ -25,6 +25,9 @@ middleware itself):
   reached the middleware (uvicorn's parsing, the event loop's queue);
 * ``gateway.receive`` (token 0): from then until the app has read the
   whole request body (or until it starts the response without reading it);
+* while the app serves the request, ``tokentrace.current_request()`` returns its
+  :class:`tokentrace.api.RequestContext` (request id, recorder, tenant), so engine
+  code joins its stages to this request with no header or id handling;
 * for an SSE response (``text/event-stream``): one ``tokens`` row per
   ``data:`` event whose choices carry text (``text``, ``delta.content``, ...),
   with ``sent_ns`` = when the ``send`` call of the chunk holding it returned;
@@ -41,7 +44,9 @@ response's body chunks are also kept by reference, up to
 reach the app or the server: they are logged once and the request is left
 untraced; exceptions of the app and of the server's ``send`` propagate
 unchanged. ``recorder=None`` uses the recorder bound by
-``tokentrace.instrument`` at request time (no tracing while none is bound).
+``tokentrace.instrument`` at request time (no tracing while none is bound); under
+``tokentrace run`` with none bound, the middleware binds the process's own
+(:func:`join_tokentrace_run`), so one ``app.add_middleware(TokenTraceMiddleware)`` traces the app.
 ``recorder`` may be any object with the recorder's event methods, e.g. an
 ``instrument.sampling.SamplingRecorder``.
 """
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import uuid
 from typing import Any, Awaitable, Callable, Collection, MutableMapping
@@ -61,9 +67,10 @@ from instrument.sse import EventInfo, SseScanner, Usage, classify_event
 from tokentrace import api
 from tokentrace.clock import now_ns
 from tokentrace.recorder import Recorder
-from tokentrace.schema import RequestStatus, Stage, request_id_of
+from tokentrace.schema import MAX_LABEL_CHARS, RequestStatus, Role, Stage, cap_label, request_id_of
 
-__all__ = ["TokenTraceMiddleware", "DEFAULT_PATHS", "parse_traceparent"]
+__all__ = ["TokenTraceMiddleware", "DEFAULT_PATHS", "parse_traceparent", "request_context", "join_tokentrace_run",
+           "ASGI_APP_NAME"]
 
 log = logging.getLogger("tokentrace")
 
@@ -87,6 +94,12 @@ def parse_traceparent(value: str) -> str:
     return m.group(2)
 
 
+def _label(raw: bytes) -> str:
+    """A header's value as a label: decoded, stripped, cut to ``MAX_LABEL_CHARS`` (a 100 KB
+    ``X-Tenant`` is stored as its first characters, as on every other path)."""
+    return cap_label(raw[:4 * MAX_LABEL_CHARS].decode("latin-1").strip())
+
+
 class _Exchange:
     """What the middleware learns about one HTTP request/response (event-loop thread only)."""
 
@@ -98,12 +111,11 @@ class _Exchange:
     def __init__(self, rec: Any, headers: dict[bytes, bytes], arrival_ns: int, mw: TokenTraceMiddleware,
                  first_byte_ns: int = -1) -> None:
         self.rec = rec
-        key = headers.get(mw.request_id_header, b"").decode("latin-1").strip()
+        key = _label(headers.get(mw.request_id_header, b""))
         self.key = key or uuid.uuid4().hex
-        self.rid = request_id_of(self.key)
-        self.tenant = headers.get(mw.tenant_header, b"").decode("latin-1").strip() if mw.tenant_header else ""
-        self.slo_class = (headers.get(mw.slo_class_header, b"").decode("latin-1").strip()
-                          if mw.slo_class_header else "")
+        self.tenant = _label(headers.get(mw.tenant_header, b"")) if mw.tenant_header else ""
+        self.rid = request_id_of(self.key, self.tenant)  # a key names a request among its tenant's only
+        self.slo_class = _label(headers.get(mw.slo_class_header, b"")) if mw.slo_class_header else ""
         self.trace_id = parse_traceparent(headers.get(b"traceparent", b"").decode("latin-1"))
         text_headers = {k.decode("latin-1"): v.decode("latin-1").strip() for k, v in headers.items()}
         self.sessions = mw.sessions
@@ -247,6 +259,41 @@ def _user_field(body: bytes) -> str:
     return user if isinstance(user, str) else ""
 
 
+ASGI_APP_NAME = "asgi-app"
+"""Instance name prefix of an app traced by the middleware alone under ``tokentrace run``."""
+
+
+def join_tokentrace_run() -> None:
+    """Under ``tokentrace run`` (its environment names a store) with no recorder bound yet, bind this
+    process's, so the middleware records into the run with no ``tokentrace.instrument()`` call (the
+    instance is named ``asgi-app-<pid>``). Set-up code; never raises (a failure is warned once)."""
+    from instrument.child_env import ENV_STORE
+
+    if api.current() is not None or not os.environ.get(ENV_STORE):
+        return
+    from instrument.autoinstrument import process_handle
+
+    process_handle(role=Role.GATEWAY, name=f"{ASGI_APP_NAME}-{os.getpid()}")
+
+
+def request_context(ex: _Exchange) -> api.RequestContext:
+    """The :class:`tokentrace.api.RequestContext` of a traced exchange: the app finds it with
+    ``tokentrace.current_request()`` and joins its engine's stages to this request's row."""
+    return api.RequestContext(ex.rid, ex.key, ex.rec, tenant=ex.tenant, slo_class=ex.slo_class,
+                              receive_end=lambda: ex.receive_end_ns)
+
+
+def _noting_send_start(context: api.RequestContext, send: Send) -> Send:
+    """``send``, noting in ``context`` when each response body send begins (where a token's relay
+    from the engine ends: an engine adapter closes its ``stream.relay`` span there)."""
+    async def send_noted(message: Message) -> None:
+        if message.get("type") == "http.response.body":
+            context.last_send_start_ns = now_ns()
+        await send(message)
+
+    return send_noted
+
+
 class TokenTraceMiddleware:
     """Pure ASGI middleware recording each traced request (see the module docstring).
 
@@ -276,7 +323,10 @@ class TokenTraceMiddleware:
         self.sessions = session_source(sessions)
         self._warned = False
         self._samplers: dict[int, LoopLagSampler] = {}  # by recorder identity
+        self._num_in_flight = 0  # traced requests being served (on the server's loop)
         transport.install()  # first-byte times for gateway.accept, when the server is uvicorn
+        if recorder is None:
+            join_tokentrace_run()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or (self.paths is not None and scope.get("path") not in self.paths):
@@ -295,20 +345,28 @@ class TokenTraceMiddleware:
             self._warn(e)
             await self.app(scope, receive, send)
             return
+        context = request_context(ex)
+        entered = api.enter_request(context)
+        self._num_in_flight += 1
         try:
-            await self.app(scope, self._receive(ex, receive), self._send(ex, send))
+            await self.app(scope, self._receive(ex, receive), self._send(ex, _noting_send_start(context, send)))
         except BaseException as exc:
             self._guard(ex.on_app_error, exc)
             raise
         finally:
+            self._num_in_flight -= 1
+            api.leave_request(entered)
             self._guard(ex.finish)
 
     def _sample_loop(self, rec: Any) -> None:
-        """Sample this server's event loop into ``rec`` from its first traced request on."""
+        """Sample this server's event loop into ``rec`` while traced requests are in flight."""
         sampler = self._samplers.get(id(rec))
         if sampler is None:
-            sampler = self._samplers[id(rec)] = LoopLagSampler(rec)
+            sampler = self._samplers[id(rec)] = LoopLagSampler(rec, is_idle=self._is_idle)
         sampler.ensure_running()
+
+    def _is_idle(self) -> bool:
+        return self._num_in_flight == 0
 
     def close(self) -> None:
         """Stop sampling the event loop (any thread; idempotent)."""
@@ -324,12 +382,17 @@ class TokenTraceMiddleware:
         return traced_receive
 
     def _send(self, ex: _Exchange, send: Send) -> Send:
+        sampler = self._samplers.get(id(ex.rec))  # this request's loop sampler (see _sample_loop)
+
         async def traced_send(message: Message) -> None:
             kind = message.get("type")
             if kind == "http.response.body":
                 start_ns = now_ns()
                 await send(message)
-                self._guard(ex.on_body, message, start_ns, now_ns())
+                end_ns = now_ns()
+                self._guard(ex.on_body, message, start_ns, end_ns)
+                if sampler is not None and end_ns >= sampler.poke_from_ns:  # it may stand in for a tick
+                    sampler.poke(end_ns)
                 return
             if kind == "http.response.start":
                 self._guard(ex.on_start, message, now_ns())

@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable
 
 from tokentrace.clock import Anchor, ClockEstimate, OffsetBook, ping_exchange, take_anchor
-from tokentrace.recorder import Recorder, Sink
+from tokentrace.recorder import ForwardingRecorder, Recorder
 
 __all__ = [
     "CLOCK_ADDR_ENV", "SKEW_ENV", "ClockServer", "skew_for", "SkewedRecorder", "ClockSync",
@@ -123,85 +123,67 @@ def skew_for(name: str, environ: Any = os.environ) -> int:
     return 0
 
 
-class SkewedRecorder:
+class SkewedRecorder(ForwardingRecorder):
     """A :class:`Recorder` proxy that adds ``skew_ns`` to every time recorded (tests only)."""
 
     def __init__(self, recorder: Recorder, skew_ns: int) -> None:
-        self._r = recorder
+        super().__init__(recorder)
         self.skew_ns = skew_ns
 
     def clock(self) -> int:
-        return self._r.clock() + self.skew_ns
-
-    @property
-    def instance_id(self) -> int:
-        return self._r.instance_id
-
-    @property
-    def sink(self) -> Sink:
-        return self._r.sink
-
-    @property
-    def closed(self) -> bool:
-        return self._r.closed
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self._r.counters
-
-    def flush(self) -> None:
-        self._r.flush()
-
-    def close(self) -> None:
-        self._r.close()
+        return self.inner.clock() + self.skew_ns
 
     def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
-        self._r.stage_begin(request_id, stage, t_ns + self.skew_ns, token_index)
+        self.inner.stage_begin(request_id, stage, t_ns + self.skew_ns, token_index)
 
     def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        self._r.loop_lag(start_ns + self.skew_ns, end_ns + self.skew_ns)
+        self.inner.loop_lag(start_ns + self.skew_ns, end_ns + self.skew_ns)
 
     def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
                   first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
                   verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
         k = self.skew_ns
-        self._r.spec_step(request_id, step, draft_source, num_proposed, num_accepted, first_token_index,
+        super().spec_step(request_id, step, draft_source, num_proposed, num_accepted, first_token_index,
                           draft_start_ns + k, draft_end_ns + k, verify_start_ns + k, verify_end_ns + k, batch_size,
                           num_spec_seqs)
 
-    def stage_end(self, request_id: int, stage: int, t_ns: int, *rest: Any) -> None:
-        self._r.stage_end(request_id, stage, t_ns + self.skew_ns, *rest)
+    def stage_end(self, request_id: int, stage: int, t_ns: int, token_index: int = -1,
+                  step: int = -1, num_bytes: int = -1, tier: int = -1, batch_size: int = -1) -> None:
+        super().stage_end(request_id, stage, t_ns + self.skew_ns, token_index, step, num_bytes, tier, batch_size)
 
-    def span(self, request_id: int, stage: int, start_ns: int, end_ns: int, *rest: Any) -> None:
+    def span(self, request_id: int, stage: int, start_ns: int, end_ns: int, token_index: int = -1,
+             step: int = -1, num_bytes: int = -1, tier: int = -1, batch_size: int = -1) -> None:
         k = self.skew_ns
-        self._r.span(request_id, stage, start_ns + k, end_ns + k, *rest)
+        super().span(request_id, stage, start_ns + k, end_ns + k, token_index, step, num_bytes, tier, batch_size)
 
     def token(self, request_id: int, token_index: int, *, emit_ns: int = -1, sent_ns: int = -1,
               recv_ns: int = -1, step: int = -1) -> None:
         k = self.skew_ns
-        self._r.token(request_id, token_index, emit_ns=emit_ns + k if emit_ns >= 0 else -1,
+        super().token(request_id, token_index, emit_ns=emit_ns + k if emit_ns >= 0 else -1,
                       sent_ns=sent_ns + k if sent_ns >= 0 else -1, recv_ns=recv_ns + k if recv_ns >= 0 else -1,
                       step=step)
 
-    def step(self, step: int, start_ns: int, end_ns: int, *rest: Any) -> None:
-        self._r.step(step, start_ns + self.skew_ns, end_ns + self.skew_ns, *rest)
+    def step(self, step: int, start_ns: int, end_ns: int, *rest: int) -> None:
+        self.inner.step(step, start_ns + self.skew_ns, end_ns + self.skew_ns, *rest)
 
-    def cache_event(self, kind: int, tier: int, num_blocks: int, start_ns: int, end_ns: int, *rest: Any) -> None:
-        self._r.cache_event(kind, tier, num_blocks, start_ns + self.skew_ns, end_ns + self.skew_ns, *rest)
+    def cache_event(self, kind: int, tier: int, num_blocks: int, start_ns: int, end_ns: int,
+                    request_id: int = -1, num_tokens: int = -1, num_bytes: int = -1, step: int = -1) -> None:
+        k = self.skew_ns
+        super().cache_event(kind, tier, num_blocks, start_ns + k, end_ns + k, request_id, num_tokens, num_bytes, step)
 
     def request_begin(self, key: str, *, arrival_ns: int, **kw: Any) -> int:
-        return self._r.request_begin(key, arrival_ns=arrival_ns + self.skew_ns, **kw)
+        return self.inner.request_begin(key, arrival_ns=arrival_ns + self.skew_ns, **kw)
 
     def request_end(self, request_id: int, *, finish_ns: int, first_token_ns: int = -1,
                     first_content_ns: int = -1, **kw: Any) -> None:
         k = self.skew_ns
-        self._r.request_end(request_id, finish_ns=finish_ns + k,
-                            first_token_ns=first_token_ns + k if first_token_ns >= 0 else -1,
-                            first_content_ns=first_content_ns + k if first_content_ns >= 0 else -1, **kw)
+        self.inner.request_end(request_id, finish_ns=finish_ns + k,
+                               first_token_ns=first_token_ns + k if first_token_ns >= 0 else -1,
+                               first_content_ns=first_content_ns + k if first_content_ns >= 0 else -1, **kw)
 
     def instance(self, *, anchor: Anchor | None = None, **kw: Any) -> None:
         a = anchor or take_anchor()
-        self._r.instance(anchor=Anchor(a.mono_ns + self.skew_ns, a.wall_ns), **kw)
+        self.inner.instance(anchor=Anchor(a.mono_ns + self.skew_ns, a.wall_ns), **kw)
 
 
 class ClockSync:

@@ -208,11 +208,18 @@ def decode_request(body: bytes, content_type: str) -> list[OtlpSpan]:
     return out
 
 
-def response_body(media: str) -> bytes:
-    """An empty ``ExportTraceServiceResponse`` (full success) in the request's encoding."""
+def response_body(media: str, *, rejected_spans: int = 0, message: str = "") -> bytes:
+    """An ``ExportTraceServiceResponse`` in the request's encoding: empty (full success), or
+    with ``partial_success`` saying how many spans were rejected and why."""
     if media == PROTOBUF:
-        return _proto().ExportTraceServiceResponse().SerializeToString()
-    return b"{}"
+        pb = _proto()
+        if not rejected_spans:
+            return pb.ExportTraceServiceResponse().SerializeToString()
+        partial = pb.ExportTracePartialSuccess(rejected_spans=rejected_spans, error_message=message)
+        return pb.ExportTraceServiceResponse(partial_success=partial).SerializeToString()
+    if not rejected_spans:
+        return b"{}"
+    return json.dumps({"partialSuccess": {"rejectedSpans": str(rejected_spans), "errorMessage": message}}).encode()
 
 
 def error_body(media: str, message: str) -> tuple[bytes, str]:

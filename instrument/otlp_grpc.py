@@ -87,11 +87,11 @@ class GrpcReceiver:
 
         def export(request: bytes, context: Any) -> bytes:
             try:
-                ingestor.ingest(request, PROTOBUF)
+                done = ingestor.ingest(request, PROTOBUF)
             except PayloadError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             ingestor.push_counters()
-            return response_body(PROTOBUF)
+            return response_body(PROTOBUF, rejected_spans=done.num_rejected, message=done.message)
 
         # No (de)serializers: the handler sees the message's bytes and returns the response's bytes.
         handler = grpc.method_handlers_generic_handler(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(export)})

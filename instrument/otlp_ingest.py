@@ -34,6 +34,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from instrument.otlp_decode import (
@@ -46,15 +48,23 @@ from instrument.otlp_decode import (
     error_body,
     response_body,
 )
-from instrument.otlp_mapping import MAX_LATENCY_S, SPANS_IGNORED, SPANS_MAPPED, SPANS_UNMATCHED, OtlpMapper
+from instrument.otlp_mapping import (
+    MAX_LATENCY_S,
+    SPANS_IGNORED,
+    SPANS_MAPPED,
+    SPANS_REJECTED,
+    SPANS_UNMATCHED,
+    OtlpMapper,
+)
 from instrument.otlp_requests import IngestOptions, InstanceIdentity, Replicas
 from tokentrace.clock import Anchor
 from tokentrace.recorder import CounterSink, Recorder
 
 _log = logging.getLogger("tokentrace")
 
-__all__ = ["LlmRequestMapper", "OtlpIngestor", "create_app", "listen_error", "ReplicaFactory",
-           "SPANS_MAPPED", "SPANS_IGNORED", "SPANS_UNMATCHED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES", "MAX_LATENCY_S"]
+__all__ = ["LlmRequestMapper", "OtlpIngestor", "Ingested", "create_app", "listen_error", "ReplicaFactory",
+           "SPANS_MAPPED", "SPANS_IGNORED", "SPANS_UNMATCHED", "SPANS_REJECTED", "PAYLOADS_REJECTED", "MAX_BODY_BYTES",
+           "MAX_LATENCY_S"]
 
 PAYLOADS_REJECTED = "otlp_payloads_rejected"
 MAX_BODY_BYTES = 64 << 20
@@ -62,6 +72,8 @@ MAX_BODY_BYTES = 64 << 20
 BODY_TIMEOUT_S = 30.0
 """A request body must arrive within this long of its headers; a slower one gets 408."""
 _COUNTERS_INTERVAL_S = 1.0  # longest time between counter pushes while receiving
+MAP_SLICE_SPANS = 2_000  # spans mapped per hold of the ingestor's lock (a few ms each)
+KEEP_UP_FILL = 0.5  # between two slices of one export, a recorder with a table this full is written out
 
 
 ReplicaFactory = Callable[[InstanceIdentity], Recorder]
@@ -82,6 +94,30 @@ class LlmRequestMapper:
         return self._mapper.map_spans([span]) > 0
 
 
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    """What one payload came to: spans mapped (or held for their request), root spans rejected."""
+
+    num_mapped: int
+    num_rejected: int
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def message(self) -> str:
+        """The partial-success message of an export response ("" when nothing was rejected)."""
+        if not self.num_rejected:
+            return ""
+        return f"{self.num_rejected} span(s) rejected ({'; '.join(self.reasons)}); the other spans were stored"
+
+
+def slices(spans: list[OtlpSpan], size: int) -> Iterator[list[OtlpSpan]]:
+    """``spans`` in slices of at most ``size``, every child before any root, so that a root
+    finds the children of its payload whichever slice they are in."""
+    ordered = sorted(spans, key=OtlpMapper.is_root)  # stable: False (children, others) first
+    for i in range(0, len(ordered), size):
+        yield ordered[i:i + size]
+
+
 class OtlpIngestor:
     """The receiver's state: recorder, mapper and counters.
 
@@ -94,7 +130,7 @@ class OtlpIngestor:
                  options: IngestOptions | None = None) -> None:
         self.recorder = recorder
         options = options or IngestOptions()
-        self.replicas = Replicas(recorder, replica_factory, options.role)
+        self.replicas = Replicas(recorder, replica_factory, options.role, options.max_instances)
         self.mapper = OtlpMapper(self.replicas, anchor, options)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -103,8 +139,9 @@ class OtlpIngestor:
         self._push_warned = False  # a failed counter push is logged once
         self._lock = threading.Lock()
 
-    def ingest(self, body: bytes, content_type: str, content_encoding: str = "") -> int:
-        """Decode and map one payload; returns the spans mapped. Raises ``PayloadError``."""
+    def ingest(self, body: bytes, content_type: str, content_encoding: str = "") -> Ingested:
+        """Decode and map one payload. Raises ``PayloadError``. Blocks for as long as the
+        payload takes (call it off an event loop); other payloads are mapped between its slices."""
         try:
             spans = decode_request(decompress(body, content_encoding, max_bytes=self.max_body_bytes),
                                    content_type)
@@ -112,10 +149,31 @@ class OtlpIngestor:
             with self._lock:
                 self.counts[PAYLOADS_REJECTED] += 1
             raise
-        with self._lock:
-            mapped = self.mapper.map_spans(spans)
-            self.counts.update(self.mapper.counts)
-        return mapped
+        mapped = rejected = 0
+        reasons: dict[str, None] = {}
+        for piece in slices(spans, MAP_SLICE_SPANS):
+            with self._lock:
+                before = self.mapper.counts[SPANS_REJECTED]
+                mapped += self.mapper.map_spans(piece)
+                rejected += self.mapper.counts[SPANS_REJECTED] - before
+                reasons.update(dict.fromkeys(self.mapper.take_reasons()))
+                self.counts.update(self.mapper.counts)
+            self._keep_up()
+            time.sleep(0)  # let a receiver thread waiting for the lock take it between slices
+        return Ingested(mapped, rejected, tuple(reasons))
+
+    def _keep_up(self) -> None:
+        """Write out a recorder with a table at least half full (its own share of its own memory cap, in
+        rows of that table's size) before mapping on: a big export maps rows faster than a flush thread
+        sharing the interpreter writes them, and past its cap a recorder drops rows. The flush is synchronous
+        (this thread waits for the sink, outside the lock), so ingest slows down instead of dropping. A slice
+        that fills a table anyway (long per-token arrays) is flushed row by row as needed by the mapper's
+        :class:`~instrument.otlp_requests.Room`, under the lock."""
+        for rec in self.replicas.all():
+            headroom = getattr(rec, "headroom", None)  # a forwarding recorder holds nothing
+            if callable(headroom) and any(free < capacity * (1 - KEEP_UP_FILL)
+                                          for free, capacity in headroom().values()):
+                rec.flush()
 
     def push_counters(self, *, force: bool = False) -> None:
         """Send the counters to the store's manifest (blocks on the file write); never raises."""
@@ -172,14 +230,15 @@ def create_app(ingestor: OtlpIngestor) -> Any:
             return _error(reply, f"the body did not arrive within {ingestor.body_timeout_s:g} s", 408)
         except ClientDisconnect:
             return Response(status_code=400)  # nobody is left to read it
-        try:
-            ingestor.ingest(bytes(body), request.headers.get("content-type", ""),
-                            request.headers.get("content-encoding", ""))
+        try:  # on a worker thread: a big export never holds up the loop (nor other clients' exports)
+            done = await run_in_threadpool(ingestor.ingest, bytes(body), request.headers.get("content-type", ""),
+                                           request.headers.get("content-encoding", ""))
         except PayloadError as e:
             status = 415 if str(e).startswith("unsupported Content-Type") else 400
             return _error(reply, str(e), status)
         await run_in_threadpool(ingestor.push_counters)
-        return Response(response_body(reply), media_type=reply)
+        return Response(response_body(reply, rejected_spans=done.num_rejected, message=done.message),
+                        media_type=reply)
 
     return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
 

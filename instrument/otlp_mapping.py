@@ -4,7 +4,7 @@
 :class:`~instrument.otlp_requests.RequestBuild` per request (receiver monotonic clock, ns):
 
 * **tokentrace's own export** (``llm_request`` carrying ``tokentrace.request_status``, from
-  :mod:`instrument.otel_export`): exact: every child stage span with its token, step,
+  :mod:`tokentrace.app.export.otlp`): exact: every child stage span with its token, step,
   bytes, tier and batch size, every ``tokens`` row from the ``tokentrace.token`` events, tenant,
   SLO class, first content, each on the instance its resource names;
 * **vLLM's** ``llm_request`` (``vllm/v1/engine/output_processor.py``, ``do_tracing``): arrival =
@@ -31,18 +31,30 @@ never 0. Not thread-safe: :class:`~instrument.otlp_ingest.OtlpIngestor` serializ
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Iterable, Mapping
 
 from instrument import semconv as sc
+from instrument.engine_config import record_engine_config
+from instrument.otlp_attributes import (
+    MAX_BATCH_SIZE,
+    MAX_INT,
+    MAX_LATENCY_S,
+    count,
+    finish_status,
+    int64,
+    numbers,
+    seconds_ns,
+    unix_ns,
+)
 from instrument.otlp_decode import OtlpSpan
 from instrument.otlp_requests import (
     IngestOptions,
     Replicas,
     RequestBuild,
     RequestRow,
+    Room,
     StageInterval,
     TokenRow,
     TraceBook,
@@ -53,10 +65,10 @@ from instrument.otlp_requests import (
 from instrument.sessions import parse_turn
 from tokentrace.clock import Anchor
 from tokentrace.recorder import Recorder
-from tokentrace.schema import RequestStatus, Stage, Tier, request_id_of
+from tokentrace.schema import SPANS, RequestStatus, Role, Stage, Tier, request_id_of
 
-__all__ = ["OtlpMapper", "SPANS_MAPPED", "SPANS_IGNORED", "TOKENS_INTERPOLATED", "SPANS_UNMATCHED", "MAX_LATENCY_S",
-           "MAX_INTERPOLATED_TOKENS"]
+__all__ = ["OtlpMapper", "SPANS_MAPPED", "SPANS_IGNORED", "TOKENS_INTERPOLATED", "SPANS_UNMATCHED", "SPANS_REJECTED",
+           "MAX_LATENCY_S", "MAX_INTERPOLATED_TOKENS", "MAX_INT"]
 
 SPANS_MAPPED = "otlp_spans_mapped"
 SPANS_IGNORED = "otlp_spans_ignored"
@@ -64,70 +76,14 @@ TOKENS_INTERPOLATED = "otlp_token_times_interpolated"
 """Tokens whose time is an even split of vLLM's decode time, not a measurement."""
 SPANS_UNMATCHED = "otlp_spans_unmatched"
 """Child spans whose request's root span never came (counted as ignored too)."""
-MAX_LATENCY_S = 1e7
-"""Latency attributes above this (about 116 days) are not latencies of a request: read as absent."""
 MAX_INTERPOLATED_TOKENS = 1 << 16
 """A request reporting more output tokens than this gets no per-token estimate (only token 0)."""
+SPANS_REJECTED = "otlp_spans_rejected"
+"""Spans refused: request spans whose times cannot be stored, spans of traced processes past the
+receiver's instance cap. Their neighbours are stored."""
 
 _ROOT, _CHILD, _STEP, _OTHER = range(4)
 _STATUS_BY_LABEL = {s.label: s for s in RequestStatus}
-
-
-def _secs(attrs: Mapping[str, Any], key: str) -> int | None:
-    """A latency attribute in seconds as non-negative integer ns; None if absent or not a finite number."""
-    v = attrs.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > MAX_LATENCY_S:
-        return None
-    return max(0, round(v * 1e9))
-
-
-def _count(attrs: Mapping[str, Any], *keys: str) -> int:
-    for key in keys:
-        v = attrs.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
-    return -1
-
-
-def _int(attrs: Mapping[str, Any], key: str) -> int:
-    v = attrs.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else -1
-
-
-def _numbers(attrs: Mapping[str, Any], key: str) -> list[float] | None:
-    """A per-token array attribute (an array, or its JSON text); None if absent or malformed."""
-    v = attrs.get(key)
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError:
-            return None
-    if not isinstance(v, (list, tuple)) or not v:
-        return None
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
-        return None
-    return [float(x) for x in v]
-
-
-def _finish_status(attrs: Mapping[str, Any]) -> tuple[int, str] | None:
-    """(status, error) from the finish reasons, when one says the request was aborted or failed."""
-    reasons: Any = attrs.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
-    raw = attrs.get(sc.GEN_AI_RESPONSE_FINISH_REASON)
-    if reasons is None and isinstance(raw, str):
-        try:
-            reasons = json.loads(raw)
-        except ValueError:
-            reasons = [raw]
-    if isinstance(reasons, str):
-        reasons = [reasons]
-    if not isinstance(reasons, (list, tuple)):
-        return None
-    labels = {str(r).lower() for r in reasons}
-    if "abort" in labels or "aborted" in labels:
-        return RequestStatus.ABORTED, "abort"
-    if "error" in labels:
-        return RequestStatus.ERROR, "error"
-    return None
 
 
 class OtlpMapper:
@@ -138,9 +94,18 @@ class OtlpMapper:
         self.options = options or IngestOptions()
         self._to_mono = anchor.to_mono_ns
         self._book = TraceBook()
-        self.counts = {SPANS_MAPPED: 0, SPANS_IGNORED: 0, TOKENS_INTERPOLATED: 0, SPANS_UNMATCHED: 0}
+        self._reasons: dict[str, None] = {}  # why spans were refused, in order, since take_reasons
+        self.counts = {SPANS_MAPPED: 0, SPANS_IGNORED: 0, TOKENS_INTERPOLATED: 0, SPANS_UNMATCHED: 0,
+                       SPANS_REJECTED: 0}
+        self._configured: set[int] = set()  # recorders whose engine configuration was written (id)
+        self.room = Room()  # flushes a recorder before a row its full table would drop
 
     # -- sorting
+
+    @classmethod
+    def is_root(cls, span: OtlpSpan) -> bool:
+        """Whether ``span`` is a request's root span (mapped after the children of its payload)."""
+        return cls._family(span) == _ROOT
 
     @staticmethod
     def _family(span: OtlpSpan) -> int:
@@ -157,7 +122,13 @@ class OtlpMapper:
         """Map one payload's spans (children before roots); returns how many were used or held."""
         by_family: dict[int, list[OtlpSpan]] = {_ROOT: [], _CHILD: [], _STEP: [], _OTHER: []}
         instances = 0
+        self.room.refresh()
         for s in spans:
+            if not self.replicas.admit(s.resource):
+                self._reject(f"more than {self.replicas.max_instances} traced processes (service.instance.id); "
+                             "start ingest-otlp with a larger --max-instances to record more")
+                continue
+            self._may_record_config(s.resource)
             if s.name == sc.TT_INSTANCE_SPAN:  # an exported instance: known before its token rows come
                 self.replicas.for_resource(s.resource)
                 instances += 1
@@ -170,19 +141,74 @@ class OtlpMapper:
             self._book.hold(child.trace_id, child)
         used = len(by_family[_CHILD]) + instances
         for root in by_family[_ROOT]:
-            children = self._book.take(root.trace_id)
-            mine = [c for c in children if self._belongs(root, c)]
-            for c in children:
-                if all(c is not m for m in mine):
-                    self._book.hold(root.trace_id, c)
-            build = self._build(root, mine)
-            record_request(build)
-            self._book.remember(root.trace_id, _Recorded(build.key, build.recorder, build.arrival_ns,
-                                                         build.boundaries()))
-            used += 1
+            used += self._map_root(root)
         self.counts[SPANS_MAPPED] += used
         self.counts[SPANS_IGNORED] += len(by_family[_STEP]) + len(by_family[_OTHER])
         return used
+
+    def _may_record_config(self, resource: Mapping[str, Any]) -> None:
+        """An engine's serving configuration from its resource (``sc.TT_ENGINE_CONFIG_KEYS``), once per
+        instance; a value that is not a positive integer (or, for the policy, a name) counts as absent."""
+        if "tokentrace.engine.max_num_seqs" not in resource:
+            return
+        recorder = self.replicas.for_resource(resource)
+        if id(recorder) in self._configured:
+            return
+        self._configured.add(id(recorder))
+        fields: dict[str, Any] = {}
+        for key, name in sc.TT_ENGINE_CONFIG_KEYS.items():
+            value = resource.get(key)
+            if name == "scheduling_policy":
+                if isinstance(value, str) and value:
+                    fields[name] = value
+            elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                fields[name] = value
+            elif isinstance(value, str) and value.isdigit() and int(value) > 0:
+                fields[name] = int(value)
+        if "max_num_seqs" not in fields:
+            return
+        role = resource.get(sc.TT_INSTANCE_ROLE)
+        try:
+            parsed = Role.from_label(role) if isinstance(role, str) else Role.COLOCATED
+        except ValueError:
+            parsed = Role.COLOCATED
+        if parsed not in (Role.PREFILL, Role.DECODE):
+            parsed = Role.COLOCATED
+        record_engine_config(recorder, SimpleNamespace(config=SimpleNamespace(**fields)), role=parsed)
+
+    def _map_root(self, root: OtlpSpan) -> int:
+        """Build and record one request from its root span and the children held for it: 1, or
+        0 when the root cannot be mapped (counted in ``otlp_spans_rejected``; its children stay
+        held for a root that can). The request is built completely before anything is recorded,
+        so a bad root leaves no partial rows and costs no other span of the payload."""
+        children = self._book.take(root.trace_id)
+        mine = [c for c in children if self._belongs(root, c)]
+        try:
+            if not (0 <= root.start_unix_ns <= MAX_INT and 0 <= root.end_unix_ns <= MAX_INT):
+                raise ValueError("span times out of range")
+            build = self._build(root, mine)
+            bounds = build.boundaries()
+        except (ArithmeticError, ValueError, TypeError):  # a value no check above anticipated
+            for c in children:
+                self._book.hold(root.trace_id, c)
+            self._reject("a request span's start or end time is out of range")
+            return 0
+        for c in children:
+            if all(c is not m for m in mine):
+                self._book.hold(root.trace_id, c)
+        record_request(build, self.room)
+        self._book.remember(root.trace_id, _Recorded(build.key, build.tenant, build.recorder, build.arrival_ns, bounds))
+        return 1
+
+    def _reject(self, reason: str) -> None:
+        """Count one span refused, and why (:meth:`take_reasons` gives the reasons to the sender)."""
+        self.counts[SPANS_REJECTED] += 1
+        self._reasons[reason] = None
+
+    def take_reasons(self) -> list[str]:
+        """Why spans were refused since the last call (each reason once)."""
+        reasons, self._reasons = list(self._reasons), {}
+        return reasons
 
     @staticmethod
     def _belongs(root: OtlpSpan, child: OtlpSpan) -> bool:
@@ -217,15 +243,15 @@ class OtlpMapper:
         b.slo_class = first_str(a, self.options.slo_class_keys, root.resource)
         b.session = first_str(a, self.options.session_keys, root.resource)
         b.session_turn = next((t for t in (parse_turn(a.get(k)) for k in self.options.session_turn_keys) if t >= 0), -1)
-        b.num_prompt_tokens = _count(a, sc.GEN_AI_USAGE_INPUT_TOKENS, sc.GEN_AI_USAGE_PROMPT_TOKENS)
-        b.num_output_tokens = _count(a, sc.GEN_AI_USAGE_OUTPUT_TOKENS, sc.GEN_AI_USAGE_COMPLETION_TOKENS)
-        b.num_cached_tokens = _count(a, sc.GEN_AI_USAGE_CACHE_READ_DOT_INPUT_TOKENS,
+        b.num_prompt_tokens = count(a, sc.GEN_AI_USAGE_INPUT_TOKENS, sc.GEN_AI_USAGE_PROMPT_TOKENS)
+        b.num_output_tokens = count(a, sc.GEN_AI_USAGE_OUTPUT_TOKENS, sc.GEN_AI_USAGE_COMPLETION_TOKENS)
+        b.num_cached_tokens = count(a, sc.GEN_AI_USAGE_CACHE_READ_DOT_INPUT_TOKENS,
                                      sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, sc.GEN_AI_ITERATION_PER_TOKEN_CACHED_TOKENS)
         if root.is_error:
             kind = a.get(sc.ERROR_TYPE)
             b.status = RequestStatus.ERROR
             b.error = str(kind)[:64] if isinstance(kind, str) and kind else (root.status_message[:64] or "span_error")
-        elif (finished := _finish_status(a)) is not None:
+        elif (finished := finish_status(a)) is not None:
             b.status, b.error = finished
         return b
 
@@ -240,12 +266,12 @@ class OtlpMapper:
         key = a.get(sc.GEN_AI_REQUEST_ID)
         b = self._base(root, str(key) if isinstance(key, (str, int)) and str(key) else root.span_id)
         arrival = b.arrival_ns
-        ttft, e2e = _secs(a, sc.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN), _secs(a, sc.GEN_AI_LATENCY_E2E)
-        queue, prefill = _secs(a, sc.GEN_AI_LATENCY_TIME_IN_QUEUE), _secs(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL)
-        decode = _secs(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE)
+        ttft, e2e = seconds_ns(a, sc.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN), seconds_ns(a, sc.GEN_AI_LATENCY_E2E)
+        queue, prefill = seconds_ns(a, sc.GEN_AI_LATENCY_TIME_IN_QUEUE), seconds_ns(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL)
+        decode = seconds_ns(a, sc.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE)
         if e2e is not None:
             b.finish_ns = arrival + e2e
-        generated = _numbers(a, sc.GEN_AI_LATENCY_PER_TOKEN_GENERATION_TIME)
+        generated = numbers(a, sc.GEN_AI_LATENCY_PER_TOKEN_GENERATION_TIME)
         if ttft is not None:
             first = arrival + ttft
         elif generated:
@@ -270,8 +296,8 @@ class OtlpMapper:
                 b.stages.append(self._child_stage(child, stage, token))
             return b
         self._vllm_token0(b, queue, prefill, ttft is not None)
-        scheduled = _numbers(a, sc.GEN_AI_LATENCY_PER_TOKEN_SCHEDULED_TIME)
-        batch = _numbers(a, sc.GEN_AI_ITERATION_PER_TOKEN_BATCH_SIZE)
+        scheduled = numbers(a, sc.GEN_AI_LATENCY_PER_TOKEN_SCHEDULED_TIME)
+        batch = numbers(a, sc.GEN_AI_ITERATION_PER_TOKEN_BATCH_SIZE, high=MAX_BATCH_SIZE)
         times = b.token_times
         if generated and scheduled and len(scheduled) == len(times):
             for i in range(1, len(times)):
@@ -325,11 +351,11 @@ class OtlpMapper:
             b.status = status
             if status == RequestStatus.OK:
                 b.error = ""
-        ttft = _secs(a, sc.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN)
+        ttft = seconds_ns(a, sc.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN)
         if ttft is not None:
             b.first_token_ns = b.arrival_ns + ttft
-        content = a.get(sc.TT_FIRST_CONTENT_UNIX_NS)
-        if isinstance(content, int) and not isinstance(content, bool):
+        content = unix_ns(a.get(sc.TT_FIRST_CONTENT_UNIX_NS))
+        if content is not None:
             b.first_content_ns = self._to_mono(content)
         for c in children:
             self._tokentrace_stage(b, c)
@@ -339,31 +365,31 @@ class OtlpMapper:
                 continue
             if e.name != sc.TOKEN_EVENT:
                 continue
-            idx = _int(e.attributes, sc.TT_TOKEN_INDEX)
+            idx = int64(e.attributes, sc.TT_TOKEN_INDEX)
             if idx < 0:
                 continue
             t = self._to_mono(e.time_unix_ns)
             kind = e.attributes.get(sc.TT_TOKEN_TIME, "sent")
-            rec = self.replicas.by_instance_id(_int(e.attributes, sc.TT_INSTANCE_ID))
+            rec = self.replicas.by_instance_id(int64(e.attributes, sc.TT_INSTANCE_ID))
             b.token_rows.append(TokenRow(idx, emit_ns=t if kind == "emit" else -1, sent_ns=t if kind == "sent" else -1,
                                          recv_ns=t if kind == "recv" else -1,
-                                         step=_int(e.attributes, sc.TT_ENGINE_STEP), recorder=rec))
+                                         step=int64(e.attributes, sc.TT_ENGINE_STEP), recorder=rec))
         return b
 
     def _request_row(self, ea: Mapping[str, Any]) -> RequestRow:
         def unix(key: str) -> int:
-            v = ea.get(key)
-            return self._to_mono(v) if isinstance(v, int) and not isinstance(v, bool) else -1
+            v = unix_ns(ea.get(key))
+            return -1 if v is None else self._to_mono(v)
 
         status = _STATUS_BY_LABEL.get(str(ea.get(sc.TT_STATUS)), RequestStatus.OK)
         error = ea.get(sc.ERROR_TYPE)
         return RequestRow(
-            self.replicas.by_instance_id(_int(ea, sc.TT_INSTANCE_ID)), unix(sc.TT_ARRIVAL_UNIX_NS),
+            self.replicas.by_instance_id(int64(ea, sc.TT_INSTANCE_ID)), unix(sc.TT_ARRIVAL_UNIX_NS),
             unix(sc.TT_FINISH_UNIX_NS), unix(sc.TT_FIRST_TOKEN_UNIX_NS), unix(sc.TT_FIRST_CONTENT_UNIX_NS),
             first_str(ea, (sc.TT_TENANT,)), first_str(ea, (sc.TT_SLO_CLASS,)), status,
             str(error)[:64] if isinstance(error, str) else "",
-            _count(ea, sc.GEN_AI_USAGE_INPUT_TOKENS), _count(ea, sc.GEN_AI_USAGE_OUTPUT_TOKENS),
-            _count(ea, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS), session=first_str(ea, (sc.TT_SESSION,)),
+            count(ea, sc.GEN_AI_USAGE_INPUT_TOKENS), count(ea, sc.GEN_AI_USAGE_OUTPUT_TOKENS),
+            count(ea, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS), session=first_str(ea, (sc.TT_SESSION,)),
             session_turn=parse_turn(ea.get(sc.TT_SESSION_TURN)))
 
     def _tokentrace_stage(self, b: RequestBuild, c: OtlpSpan) -> None:
@@ -380,9 +406,9 @@ class OtlpMapper:
         tier = ca.get(sc.TT_KV_TIER)
         tier_code = Tier[tier.upper()].value if isinstance(tier, str) and tier.upper() in Tier.__members__ else -1
         return StageInterval(
-            int(stage), self._to_mono(c.start_unix_ns), self._to_mono(c.end_unix_ns), _int(ca, sc.TT_TOKEN_INDEX),
-            step=_int(ca, sc.TT_ENGINE_STEP), num_bytes=_int(ca, sc.TT_BYTES), tier=tier_code,
-            batch_size=_int(ca, sc.TT_BATCH_SIZE), recorder=self.replicas.for_resource(c.resource))
+            int(stage), self._to_mono(c.start_unix_ns), self._to_mono(c.end_unix_ns), int64(ca, sc.TT_TOKEN_INDEX),
+            step=int64(ca, sc.TT_ENGINE_STEP), num_bytes=int64(ca, sc.TT_BYTES), tier=tier_code,
+            batch_size=int64(ca, sc.TT_BATCH_SIZE), recorder=self.replicas.for_resource(c.resource))
 
     # late children ----------------------------------------------------------------------
 
@@ -398,12 +424,13 @@ class OtlpMapper:
             iv = None
         if iv is None:
             return False
-        rid = request_id_of(done.key)
+        rid = request_id_of(done.key, done.tenant)
         target: Recorder = iv.recorder or done.recorder
         pieces = ([(iv.token, iv.start_ns, iv.end_ns)] if iv.token is not None
                   else split_interval(iv, done.arrival_ns, done.bounds))
         for token, start, end in pieces:
             if end > start:
+                self.room.take(target, SPANS.name)
                 target.span(rid, iv.stage, start, end, token, step=iv.step, num_bytes=iv.num_bytes, tier=iv.tier,
                             batch_size=iv.batch_size)
         return True
@@ -414,6 +441,7 @@ class _Recorded:
     """What a late child of a recorded request needs (the request's rows are already written)."""
 
     key: str
+    tenant: str
     recorder: Recorder
     arrival_ns: int
     bounds: list[int]

@@ -20,12 +20,17 @@ from typing import Any, Callable, Mapping
 
 from instrument import semconv as sc
 from tokentrace.recorder import Recorder
-from tokentrace.schema import RequestStatus, Role, request_id_of
+from tokentrace.schema import REQUESTS, SPANS, TOKENS, RequestStatus, Role, cap_label, request_id_of
 
 __all__ = ["IngestOptions", "InstanceIdentity", "Replicas", "StageInterval", "TokenRow", "RequestRow", "RequestBuild",
-           "record_request", "split_interval", "TraceBook", "first_str", "header_attribute"]
+           "record_request", "split_interval", "Room", "TraceBook", "first_str", "header_attribute", "span_bytes",
+           "MAX_INSTANCES", "MAX_PENDING_BYTES"]
 
-MAX_REPLICAS = 256  # distinct instances one receiver records; later ones share the receiver's own
+MAX_INSTANCES = 64
+"""Traced processes one receiver records by default, each its own instance (a writer, a recorder and
+its flush thread); spans of more are refused (``ingest-otlp --max-instances`` raises it)."""
+MAX_PENDING_BYTES = 64 << 20
+"""Bytes (estimated) of child spans held for roots that have not come yet; past it the oldest trace's go."""
 
 
 def header_attribute(header: str) -> str:
@@ -47,6 +52,8 @@ class IngestOptions:
     """Attributes holding the turn's number in its session (an int, or digits)."""
     role: Role = Role.COLOCATED
     """Role of instances whose spans do not say theirs."""
+    max_instances: int = MAX_INSTANCES
+    """Traced processes recorded as instances of their own; spans naming one more are refused."""
 
 
 def first_str(attrs: Mapping[str, Any], keys: tuple[str, ...], *more: Mapping[str, Any]) -> str:
@@ -57,7 +64,7 @@ def first_str(attrs: Mapping[str, Any], keys: tuple[str, ...], *more: Mapping[st
             if isinstance(v, tuple) and v:
                 v = v[0]
             if isinstance(v, str) and v:
-                return v[:128]
+                return cap_label(v)
     return ""
 
 
@@ -91,18 +98,34 @@ class InstanceIdentity:
 class Replicas:
     """One recorder per traced process seen, made by ``factory(identity)`` on first sight.
 
-    Spans whose resource names no process go to ``default``; so do those of processes past
-    :data:`MAX_REPLICAS`. Any thread.
+    Spans whose resource names no process go to ``default``. At most ``max_instances``
+    processes get a recorder: :meth:`admit` says whether a resource's spans can be
+    recorded (the receiver refuses the others, so that one export naming thousands of
+    ``service.instance.id`` values cannot cost it thousands of writers and threads). Any thread.
     """
 
     def __init__(self, default: Recorder, factory: Callable[[InstanceIdentity], Recorder] | None,
-                 default_role: Role) -> None:
+                 default_role: Role, max_instances: int = MAX_INSTANCES) -> None:
         self.default = default
         self._factory = factory
         self._role = default_role
+        self.max_instances = max_instances
         self._by_identity: dict[InstanceIdentity, Recorder] = {}
         self._by_tt_id: dict[int, Recorder] = {}  # tokentrace.instance_id of an exported resource -> recorder
         self._lock = threading.Lock()
+
+    def admit(self, resource: Mapping[str, Any]) -> bool:
+        """Whether ``resource``'s spans can be recorded (making its recorder on first sight): False
+        when it names a process not yet recorded and ``max_instances`` are."""
+        if self._factory is None:
+            return True
+        identity = InstanceIdentity.of(resource, self._role)
+        with self._lock:
+            if identity is not None and identity not in self._by_identity \
+                    and len(self._by_identity) >= self.max_instances:
+                return False
+        self.for_resource(resource)
+        return True
 
     def for_resource(self, resource: Mapping[str, Any]) -> Recorder:
         identity = InstanceIdentity.of(resource, self._role)
@@ -111,7 +134,7 @@ class Replicas:
         with self._lock:
             rec = self._by_identity.get(identity)
             if rec is None:
-                if len(self._by_identity) >= MAX_REPLICAS:
+                if len(self._by_identity) >= self.max_instances:  # callers check admit() first
                     return self.default
                 rec = self._by_identity[identity] = self._factory(identity)
                 tt_id = resource.get(sc.TT_INSTANCE_ID)
@@ -234,31 +257,82 @@ def split_interval(iv: StageInterval, arrival: int, bounds: list[int]) -> list[t
     return out
 
 
-def record_request(b: RequestBuild) -> None:
-    """Write ``b``: its stage spans, tokens rows and the ``requests`` row (never raises into the caller)."""
+class Room:
+    """Keeps a bulk producer (the OTLP receiver) under its recorders' memory caps: before each row,
+    :meth:`take` makes sure the row's table has a free place, flushing the recorder (a synchronous
+    write: the producer waits instead of the row being dropped) when its table is full.
+
+    The free places of each (recorder, table) are read from the recorder's ``headroom()`` once and
+    counted down locally, so a table's own capacity counts (its share of the memory cap, its row
+    size), whatever one span carries (a long per-token array becomes as many rows). A recorder
+    without ``headroom()`` (a forwarding one) is never flushed here. One producer thread at a time;
+    :meth:`refresh` forgets the counts (the flush thread may have written rows since).
+    """
+
+    __slots__ = ("_left",)
+
+    def __init__(self) -> None:
+        self._left: dict[tuple[int, str], int] = {}
+
+    def refresh(self) -> None:
+        self._left.clear()
+
+    def take(self, rec: Recorder, table: str) -> None:
+        """One row of ``table`` is about to be recorded through ``rec``."""
+        key = (id(rec), table)
+        left = self._left.get(key, 0)
+        if left <= 0:
+            left = self._refill(rec, table)
+        self._left[key] = left - 1
+
+    @staticmethod
+    def _refill(rec: Recorder, table: str) -> int:
+        headroom = getattr(rec, "headroom", None)
+        if not callable(headroom):
+            return 1 << 62
+        free, capacity = headroom().get(table, (1 << 62, 1 << 62))
+        if free > 0:
+            return free
+        rec.flush()
+        free, capacity = headroom().get(table, (1 << 62, 1 << 62))
+        return free if free > 0 else max(1, capacity)  # a closed recorder (no place at all) counts its drops
+
+
+def record_request(b: RequestBuild, room: Room | None = None) -> None:
+    """Write ``b``: its stage spans, tokens rows and the ``requests`` row (never raises into the caller).
+    Its id is ``request_id_of(key, tenant)``, the tenant being the request's (every instance's row carries it).
+    With ``room``, a recorder whose table is full is flushed before the row that would not fit."""
+    room = room or Room()
+    take = room.take
     rec = b.recorder
-    rid = request_id_of(b.key)
+    if not b.tenant:  # the request's tenant scopes its id: every row and span of it uses the same
+        b.tenant = next((row.tenant for row in b.rows if row.tenant), "")
+    rid = request_id_of(b.key, b.tenant)
     bounds = b.boundaries()
     for iv in b.stages:
         target = iv.recorder or rec
         pieces = [(iv.token, iv.start_ns, iv.end_ns)] if iv.token is not None else split_interval(iv, b.arrival_ns, bounds)
         for token, start, end in pieces:
             if end > start:
+                take(target, SPANS.name)
                 target.span(rid, iv.stage, start, end, token, step=iv.step, num_bytes=iv.num_bytes, tier=iv.tier,
                             batch_size=iv.batch_size)
     if b.token_rows:
         for row in b.token_rows:
+            take(row.recorder or rec, TOKENS.name)
             (row.recorder or rec).token(rid, row.index, emit_ns=row.emit_ns, sent_ns=row.sent_ns,
                                         recv_ns=row.recv_ns, step=row.step)
     else:
         for i, t in enumerate(b.token_times):
+            take(rec, TOKENS.name)
             rec.token(rid, i, emit_ns=t)
     rows = b.rows or [RequestRow(rec, b.arrival_ns, b.finish_ns, b.first_token_ns, b.first_content_ns, b.tenant,
                                  b.slo_class, b.status, b.error, b.num_prompt_tokens, b.num_output_tokens,
                                  b.num_cached_tokens, b.session, b.session_turn)]
     for row in rows:
         target = row.recorder or rec
-        target.request_begin(b.key, tenant=row.tenant, slo_class=row.slo_class, arrival_ns=row.arrival_ns,
+        take(target, REQUESTS.name)
+        target.request_begin(b.key, tenant=b.tenant, slo_class=row.slo_class, arrival_ns=row.arrival_ns,
                              num_prompt_tokens=row.num_prompt_tokens, trace_id=b.trace_id,
                              session=row.session or b.session,
                              session_turn=row.session_turn if row.session_turn >= 0 else b.session_turn)
@@ -277,25 +351,34 @@ class TraceBook:
     serializes calls.
     """
 
-    def __init__(self, *, max_pending: int = 200_000, max_done: int = 20_000) -> None:
+    def __init__(self, *, max_pending: int = 200_000, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_done: int = 20_000) -> None:
         self._pending: OrderedDict[str, list[Any]] = OrderedDict()
         self._num_pending = 0
+        self._pending_bytes = 0  # estimated (span_bytes) bytes of the spans held
         self._done: OrderedDict[str, Any] = OrderedDict()
         self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
         self._max_done = max_done
         self.dropped = 0
 
     def hold(self, trace_id: str, span: Any) -> None:
         self._pending.setdefault(trace_id, []).append(span)
         self._num_pending += 1
-        while self._num_pending > self._max_pending and self._pending:
+        self._pending_bytes += span_bytes(span)
+        while (self._num_pending > self._max_pending or self._pending_bytes > self._max_pending_bytes) \
+                and self._pending:
             _, spans = self._pending.popitem(last=False)
-            self._num_pending -= len(spans)
+            self._forget(spans)
             self.dropped += len(spans)
+
+    def _forget(self, spans: list[Any]) -> None:
+        self._num_pending -= len(spans)
+        self._pending_bytes -= sum(span_bytes(s) for s in spans)
 
     def take(self, trace_id: str) -> list[Any]:
         spans = self._pending.pop(trace_id, [])
-        self._num_pending -= len(spans)
+        self._forget(spans)
         return spans
 
     def remember(self, trace_id: str, request: Any) -> None:
@@ -311,5 +394,26 @@ class TraceBook:
         """Every span still waiting (their roots never came)."""
         spans = [s for group in self._pending.values() for s in group]
         self._pending.clear()
-        self._num_pending = 0
+        self._num_pending = self._pending_bytes = 0
         return spans
+
+
+_SPAN_OVERHEAD_BYTES = 200  # a held span's objects besides its attribute values (ids, names, tuples)
+
+
+def span_bytes(span: Any) -> int:
+    """Estimated bytes a held span keeps alive: its attribute keys and values, its events' (strings
+    by length, arrays by element, numbers 8 bytes each). Its resource is shared by the spans of a
+    payload and not counted."""
+    total = _SPAN_OVERHEAD_BYTES + _mapping_bytes(getattr(span, "attributes", {}))
+    for event in getattr(span, "events", ()):
+        total += _SPAN_OVERHEAD_BYTES + _mapping_bytes(event.attributes)
+    return total
+
+
+def _mapping_bytes(attrs: Mapping[str, Any]) -> int:
+    total = 0
+    for key, value in attrs.items():
+        total += len(key) + (len(value) if isinstance(value, (str, bytes)) else
+                             sum(len(v) if isinstance(v, str) else 8 for v in value) if isinstance(value, tuple) else 8)
+    return total

@@ -41,6 +41,7 @@ into the engine (the engine also counts observer errors) and never block.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from reference_server.engine import hooks
@@ -62,6 +63,10 @@ _RETENTION_KINDS: dict[str, CacheEventKind] = {
     "drop": CacheEventKind.DROP,
     "carry": CacheEventKind.CARRY,
 }
+# Stages of the per-token path, bound once (an enum class attribute costs a lookup each time).
+_SCHEDULE_QUEUE, _DECODE_QUEUE, _PREFILL_COMPUTE, _DECODE_COMPUTE, _DETOKENIZE = (
+    Stage.SCHEDULE_QUEUE, Stage.DECODE_QUEUE, Stage.PREFILL_COMPUTE, Stage.DECODE_COMPUTE, Stage.DETOKENIZE)
+_MAX_REMEMBERED = 1 << 16  # finished requests whose tenant a tracer keeps (a session's later retention events)
 _FINISH_STATUS = {"stop": RequestStatus.OK, "length": RequestStatus.OK}
 _DRAFT_SOURCES: dict[str, DraftSource] = {
     "model": DraftSource.MODEL,
@@ -95,6 +100,18 @@ class EngineTracer(hooks.EngineObserver):
         self._rec = recorder
         self._reqs: dict[str, _Req] = {}
         self._pending_finish: list[hooks.RequestFinished] = []
+        self._tenants: OrderedDict[str, str] = OrderedDict()  # key -> tenant of recent requests (their ids' scope)
+
+    def remember_tenant(self, key: str, tenant: str) -> None:
+        """Note the tenant of request ``key``, for events that name it after it finished."""
+        self._tenants[key] = tenant
+        if len(self._tenants) > _MAX_REMEMBERED:
+            self._tenants.popitem(last=False)
+
+    def request_id(self, key: str) -> int:
+        """The id of request ``key`` (scoped by its tenant when this tracer saw it begin)."""
+        r = self._reqs.get(key)
+        return r.rid if r is not None else request_id_of(key, self._tenants.get(key, ""))
 
     # -------------------------------------------------------------- tiling
 
@@ -121,6 +138,7 @@ class EngineTracer(hooks.EngineObserver):
             event.request_id, tenant=event.tenant, slo_class=event.slo_class,
             arrival_ns=event.arrival_ns, num_prompt_tokens=event.num_prompt_tokens, session=event.session,
         )
+        self.remember_tenant(event.request_id, event.tenant)
         self._reqs[event.request_id] = _Req(rid=rid, cursor_ns=event.arrival_ns)
 
     def on_cache_lookup(self, event: hooks.CacheLookup) -> None:
@@ -139,6 +157,9 @@ class EngineTracer(hooks.EngineObserver):
         if missed > 0:
             rec.cache_event(CacheEventKind.MISS, Tier.DEVICE, 0, event.start_ns, event.end_ns,
                             r.rid, missed, -1, event.step)
+        if event.num_evicted_blocks > 0:
+            rec.cache_event(CacheEventKind.MISS_EVICTED, Tier.DEVICE, event.num_evicted_blocks, event.start_ns,
+                            event.end_ns, r.rid, event.num_evicted_tokens, -1, event.step)
 
     def on_tier_transfer(self, event: hooks.TierTransfer) -> None:
         r = self._reqs.get(event.request_id) if event.request_id is not None else None
@@ -160,7 +181,7 @@ class EngineTracer(hooks.EngineObserver):
         kind = _RETENTION_KINDS.get(event.kind)
         if kind is not None:
             self._rec.cache_event(kind, event.tier, event.num_blocks, event.start_ns, event.end_ns,
-                                  request_id_of(event.request_id), event.num_tokens, -1, event.step)
+                                  self.request_id(event.request_id), event.num_tokens, -1, event.step)
 
     def on_evicted(self, event: hooks.Evicted) -> None:
         self._rec.cache_event(CacheEventKind.EVICT, event.tier, event.num_blocks, event.ns, event.ns,
@@ -225,8 +246,10 @@ class EngineTracer(hooks.EngineObserver):
 
     def _step_for_request(self, r: _Req, entry: hooks.BatchEntry, step: hooks.StepEnd,
                           batch_size: int) -> None:
-        stage = Stage.PREFILL_COMPUTE if entry.num_prefill_tokens else Stage.DECODE_COMPUTE
-        tokens, r.pending_tokens = r.pending_tokens, []
+        stage = _PREFILL_COMPUTE if entry.num_prefill_tokens else _DECODE_COMPUTE
+        tokens = r.pending_tokens
+        if tokens:
+            r.pending_tokens = []
         spec, r.pending_spec = r.pending_spec, None
         if spec is not None and tokens:
             self._speculative_step(r, spec, tokens, step)
@@ -235,14 +258,29 @@ class EngineTracer(hooks.EngineObserver):
             self._interval(r, stage, step.compute_start_ns, step.compute_end_ns, step.step,
                            batch_size=batch_size)
             return
+        # Per token, inline (this runs for every token of every request): the wait up to the step's
+        # compute (queue), [compute start, sampled) (compute), [sampled, emit) (detokenize), each cut at
+        # the cursor as _interval cuts it; after the compute the cursor is at or past ``sampled``, after
+        # the detokenize at or past ``emit``, so neither needs a wait before it.
+        span, rid, step_no, compute_start_ns = self._rec.span, r.rid, step.step, step.compute_start_ns
+        cursor, index = r.cursor_ns, r.next_token
         for tok in tokens:
-            self._interval(r, stage, step.compute_start_ns, tok.sampled_ns, step.step, batch_size=batch_size)
-            self._interval(r, Stage.DETOKENIZE, tok.sampled_ns, tok.emit_ns, step.step)
-            self._fill_to(r, tok.emit_ns, step.step)
-            self._rec.token(r.rid, tok.index, emit_ns=tok.emit_ns, step=step.step)
+            sampled_ns, emit_ns = tok.sampled_ns, tok.emit_ns
+            if compute_start_ns > cursor:
+                span(rid, _SCHEDULE_QUEUE if index == 0 else _DECODE_QUEUE, cursor, compute_start_ns, index,
+                     step_no)
+                cursor = compute_start_ns
+            if sampled_ns > cursor:
+                span(rid, stage, cursor, sampled_ns, index, step_no, -1, -1, batch_size)
+                cursor = sampled_ns
+            if emit_ns > cursor:
+                span(rid, _DETOKENIZE, cursor, emit_ns, index, step_no)
+                cursor = emit_ns
+            self._rec.token(rid, tok.index, emit_ns=emit_ns, step=step_no)
             if r.first_token_ns < 0:
-                r.first_token_ns = tok.emit_ns
-            r.next_token = tok.index + 1
+                r.first_token_ns = emit_ns
+            index = tok.index + 1
+        r.cursor_ns, r.next_token = cursor, index
 
     def _speculative_step(self, r: _Req, spec: hooks.SpeculativeStep, tokens: list[hooks.TokenEmitted],
                           step: hooks.StepEnd) -> None:

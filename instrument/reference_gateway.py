@@ -38,15 +38,19 @@ own: it goes out with the next chunk, so it has no gateway ``tokens`` row and it
 interval ends at the engine's emit. The ``requests`` row's ``first_content_ns``
 is the first chunk with visible text (the TTFT of AIPerf and ``vllm bench``).
 
-From the first request on, the gateway's event loop is sampled for lateness
+While requests are in flight, the gateway's event loop is sampled for lateness
 (:class:`~instrument.loop_lag.LoopLagSampler`, ``loop_lags`` rows): what delays
 ``gateway.accept`` and ``stream.relay`` when the loop is busy.
 
 Disaggregated serving: ``transfer.kv`` of the decode worker's first token k,
-``[prefill worker's hand-out of token k-1, first KV chunk reached the decode
-worker)`` with the bytes, from the relayed ``KVTransferStart`` event; only this
-process knows both workers' clocks. The decode worker records the rest of the
-move (:mod:`instrument.reference_cluster`).
+``[the prefill worker's first KV chunk went into its socket, that chunk reached
+the decode worker)`` with the bytes, from the relayed ``KVTransferEnd`` ("send",
+``first_sent_ns``) and ``KVTransferStart`` ("recv") events: the wire, and the
+decode worker's wait before it read the chunk; only this process knows both
+workers' clocks. The prefill worker records the time before its first chunk
+left, the decode worker the rest of the move (:mod:`instrument.reference_cluster`).
+When the sender never reports its first chunk, the piece starts at its hand-out
+of token k-1 instead (recorded when the request ends).
 
 A non-streamed answer gets one request-level ``stream.send`` span (token index
 -1) for its body write. The ``requests`` row (gateway view: arrival = headers
@@ -88,6 +92,9 @@ _OUTCOME_STATUS = {
 }
 _HEX = frozenset("0123456789abcdef")
 
+# Stages of the per-token path, bound once (an enum class attribute costs a lookup each time).
+_STREAM_RELAY, _DETOKENIZE, _STREAM_SEND = Stage.STREAM_RELAY, Stage.DETOKENIZE, Stage.STREAM_SEND
+
 
 def trace_id_of(traceparent: str | None) -> str:
     """The 32-hex-digit trace id of a W3C ``traceparent`` header; "" if absent or malformed."""
@@ -125,6 +132,7 @@ class _GReq:
     first_sent_ns: int = -1
     first_content_ns: int = -1
     handoff: _Handoff | None = None  # until transfer.kv is recorded
+    kv_sent_ns: int = -1  # the prefill worker's first KV chunk went into its socket (gateway clock), -1 = unknown
     out_ns: int = -1  # the worker handed out the latest token (gateway clock), -1 = unknown
     out_index: int = -1
     out_instance: str = ""
@@ -148,8 +156,8 @@ class GatewayTracer(gh.GatewayObserver):
         self._relay = relay
         self._reqs: dict[str, _GReq] = {}
         self.clocks = clocks if clocks is not None else OffsetBook()
-        self.loop_lag = LoopLagSampler(recorder)
-        """Samples this gateway's event loop from its first request on (``loop_lags`` rows)."""
+        self.loop_lag = LoopLagSampler(recorder, is_idle=self._is_idle)
+        """Samples this gateway's event loop while requests are in flight (``loop_lags`` rows)."""
 
     def on_kv_transfer_start(self, event: Any) -> None:
         """Relayed worker event: the decode worker got the first KV chunk (on its clock)."""
@@ -161,15 +169,30 @@ class GatewayTracer(gh.GatewayObserver):
             g.handoff = _Handoff(event.instance, end_ns, event.num_bytes)
             self._record_handoff(g)
 
-    def _record_handoff(self, g: _GReq) -> None:
-        """``transfer.kv`` of the decode worker's first token: from the prefill worker's
-        hand-out of the token before it until the first KV chunk reached the decode worker."""
+    def on_kv_transfer_end(self, event: Any) -> None:
+        """Relayed worker event: the prefill worker's send ended; when its first chunk left (its clock)."""
+        g = self._reqs.get(event.request_id)
+        first_sent_ns = getattr(event, "first_sent_ns", -1)
+        if g is None or event.direction != "send" or first_sent_ns < 0:
+            return
+        sent_ns = self.clocks.to_reference(event.instance, first_sent_ns)
+        if sent_ns >= 0:
+            g.kv_sent_ns = sent_ns
+            self._record_handoff(g)
+
+    def _record_handoff(self, g: _GReq, *, final: bool = False) -> None:
+        """``transfer.kv`` of the decode worker's first token: from the prefill worker's first
+        KV chunk leaving (``final``, with that unknown: its hand-out of the token before)
+        until the first KV chunk reached the decode worker."""
         h = g.handoff
         if h is None or g.out_ns < 0 or g.out_instance == h.decode:
             return  # wait for the prefill worker's token
+        if g.kv_sent_ns < 0 and not final:
+            return  # wait for the prefill worker's send
         g.handoff = None
-        if h.end_ns > g.out_ns:
-            self._rec.span(g.rid, Stage.TRANSFER_KV, g.out_ns, h.end_ns, g.out_index + 1, -1, h.num_bytes,
+        start_ns = max(g.out_ns, g.kv_sent_ns)
+        if h.end_ns > start_ns:
+            self._rec.span(g.rid, Stage.TRANSFER_KV, start_ns, h.end_ns, g.out_index + 1, -1, h.num_bytes,
                            Tier.REMOTE)
 
     def _from_worker(self, instance: str, worker_ns: int) -> int:
@@ -182,12 +205,16 @@ class GatewayTracer(gh.GatewayObserver):
     def num_in_flight(self) -> int:
         return len(self._reqs)
 
+    def _is_idle(self) -> bool:
+        return not self._reqs
+
     def on_request_received(self, event: gh.RequestReceived) -> None:
         self.loop_lag.ensure_running()  # on the gateway's loop: sample it from now on
         first_byte = transport.first_byte_ns()  # this runs in the request's task: its context
         arrival = first_byte if 0 <= first_byte <= event.t_ns else event.t_ns
-        g = _GReq(request_id_of(event.request_id), arrival, event.t_ns, trace_id_of(event.traceparent),
-                  event.tenant or "")
+        tenant = event.tenant or ""  # the request's id is scoped by it: fixed from here on
+        g = _GReq(request_id_of(event.request_id, tenant), arrival, event.t_ns, trace_id_of(event.traceparent),
+                  tenant)
         self._reqs[event.request_id] = g
         if self.sessions.kind != "user":  # the gateway reports the X-Session-Id header (the user field: parsed)
             g.session = self.sessions.from_headers({"x-session-id": event.session_header or ""})
@@ -198,7 +225,7 @@ class GatewayTracer(gh.GatewayObserver):
     def on_request_parsed(self, event: gh.RequestParsed) -> None:
         g = self._reqs.get(event.request_id)
         if g is not None:
-            g.tenant, g.slo_class = event.tenant, event.slo_class
+            g.slo_class = event.slo_class  # the tenant is the one of the request's id (the same, from its key)
             if self.sessions.kind == "user":
                 g.session = self.sessions.from_headers({}, user=event.user)
 
@@ -268,18 +295,21 @@ class GatewayTracer(gh.GatewayObserver):
         g = self._reqs.get(event.request_id)
         if g is None:
             return
-        rec, i = self._rec, event.index
+        rec, i, rid, detok_start_ns, sent_ns = self._rec, event.index, g.rid, event.detok_start_ns, event.write_end_ns
         relay_start = self._relay_start(g, event.request_id, i, event.instance, event.emitted_ns, event.received_ns)
-        if event.detok_start_ns > relay_start:
-            rec.span(g.rid, Stage.STREAM_RELAY, relay_start, event.detok_start_ns, i)
-        rec.span(g.rid, Stage.DETOKENIZE, event.detok_start_ns, event.detok_end_ns, i)
-        rec.span(g.rid, Stage.STREAM_SEND, event.write_start_ns, event.write_end_ns, i, -1, event.num_bytes)
-        rec.token(g.rid, i, sent_ns=event.write_end_ns)
-        g.cursor_ns = event.write_end_ns
+        if detok_start_ns > relay_start:
+            rec.span(rid, _STREAM_RELAY, relay_start, detok_start_ns, i)
+        rec.span(rid, _DETOKENIZE, detok_start_ns, event.detok_end_ns, i)
+        rec.span(rid, _STREAM_SEND, event.write_start_ns, sent_ns, i, -1, event.num_bytes)
+        rec.token(rid, i, sent_ns=sent_ns)
+        g.cursor_ns = sent_ns
+        lag = self.loop_lag
+        if sent_ns >= lag.poke_from_ns:  # on the loop, which just wrote: it may stand in for a tick
+            lag.poke(sent_ns)
         if g.first_sent_ns < 0:
-            g.first_sent_ns = event.write_end_ns
+            g.first_sent_ns = sent_ns
         if g.first_content_ns < 0 and event.has_content:
-            g.first_content_ns = event.write_end_ns
+            g.first_content_ns = sent_ns
 
     def on_response_written(self, event: gh.ResponseWritten) -> None:
         g = self._reqs.get(event.request_id)
@@ -293,6 +323,7 @@ class GatewayTracer(gh.GatewayObserver):
             self._relay.forget(event.request_id)
         if g is None:
             return
+        self._record_handoff(g, final=True)
         rec = self._rec
         if not g.tokenized and event.t_ns > g.received_ns:  # refused while reading or validating
             rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.received_ns, event.t_ns, -1)

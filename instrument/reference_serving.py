@@ -141,8 +141,10 @@ def attach_serving(target: Any, recorder: Any, *, role: Role) -> ServingTracers:
 
 
 def _attach_engine(engine: Any, recorder: Any, out: ServingTracers, *, relay: Any) -> None:
+    from instrument.engine_config import record_engine_config
     from instrument.reference_cluster import ServingEngineTracer
 
+    record_engine_config(recorder, engine, role=Role.COLOCATED)  # an in-process engine does both
     out.engine = ServingEngineTracer(recorder, relay=relay)
     engine.add_observer(out.engine)
     out.detachers.append(lambda: engine.remove_observer(out.engine))

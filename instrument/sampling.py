@@ -62,7 +62,7 @@ import threading
 from typing import Any
 
 from instrument.sampling_policy import SamplingPolicy
-from tokentrace.recorder import CounterSink, Recorder, Sink
+from tokentrace.recorder import CounterSink, ForwardingRecorder, Recorder
 from tokentrace.schema import RequestStatus, request_id_of
 from tokentrace.store.manifest import SAMPLED_OUT
 
@@ -107,13 +107,14 @@ class _Pending:
         self.first_out_ns = -1  # earliest token emit/sent seen, local monotonic ns
 
 
-class SamplingRecorder:
+class SamplingRecorder(ForwardingRecorder):
     """A :class:`Recorder` front that samples requests (see the module docstring).
 
     ``recorder``: where kept events go. Options are those of
     :class:`SamplingPolicy` (or pass ``policy=``), plus ``max_buffered_bytes``
     (the memory bound) and ``counters_interval_s``. Raises ``ValueError`` for
-    bad options.
+    bad options. Engine steps, loop lag and the instance row pass through unchanged
+    (:class:`ForwardingRecorder`): they are process-level, never sampled out.
     """
 
     def __init__(self, recorder: Recorder, *, rate: float = 1.0, slow_ttft_ns: int | None = None,
@@ -125,7 +126,7 @@ class SamplingRecorder:
         if not counters_interval_s > 0:
             raise ValueError(f"counters_interval_s must be positive, got {counters_interval_s}")
         self.policy = policy or SamplingPolicy(rate, slow_ttft_ns, slow_e2e_ns, keep_failed)
-        self._rec = recorder
+        super().__init__(recorder)
         self._threshold = self.policy.threshold
         self._tail = self.policy.needs_tail
         self._cap = int(max_buffered_bytes)
@@ -153,21 +154,21 @@ class SamplingRecorder:
         """As ``Recorder.span``; buffered unless the request is head-kept."""
         if self._passes(request_id) or not self._buffer(
                 request_id, _SPANS, (stage, start_ns, end_ns, token_index, step, num_bytes, tier, batch_size)):
-            self._rec.span(request_id, stage, start_ns, end_ns, token_index, step, num_bytes, tier, batch_size)
+            self.inner.span(request_id, stage, start_ns, end_ns, token_index, step, num_bytes, tier, batch_size)
 
     def token(self, request_id: int, token_index: int, *, emit_ns: int = -1, sent_ns: int = -1,
               recv_ns: int = -1, step: int = -1) -> None:
         """As ``Recorder.token``; buffered unless the request is head-kept."""
         if self._passes(request_id) or not self._buffer(
                 request_id, _TOKENS, (token_index, emit_ns, sent_ns, recv_ns, step)):
-            self._rec.token(request_id, token_index, emit_ns=emit_ns, sent_ns=sent_ns, recv_ns=recv_ns, step=step)
+            self.inner.token(request_id, token_index, emit_ns=emit_ns, sent_ns=sent_ns, recv_ns=recv_ns, step=step)
 
     def cache_event(self, kind: int, tier: int, num_blocks: int, start_ns: int, end_ns: int,
                     request_id: int = -1, num_tokens: int = -1, num_bytes: int = -1, step: int = -1) -> None:
         """As ``Recorder.cache_event``; events of a request are sampled with it."""
         if self._passes(request_id) or not self._buffer(
                 request_id, _CACHES, (kind, tier, num_blocks, start_ns, end_ns, num_tokens, num_bytes, step)):
-            self._rec.cache_event(kind, tier, num_blocks, start_ns, end_ns, request_id, num_tokens, num_bytes, step)
+            self.inner.cache_event(kind, tier, num_blocks, start_ns, end_ns, request_id, num_tokens, num_bytes, step)
 
     def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
                   first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
@@ -176,53 +177,49 @@ class SamplingRecorder:
         values = (step, draft_source, num_proposed, num_accepted, first_token_index, draft_start_ns, draft_end_ns,
                   verify_start_ns, verify_end_ns, batch_size, num_spec_seqs)
         if self._passes(request_id) or not self._buffer(request_id, _SPECS, values):
-            self._rec.spec_step(request_id, *values)
+            self.inner.spec_step(request_id, *values)
 
     def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
         """As ``Recorder.stage_begin``."""
         if self._passes(request_id):
-            self._rec.stage_begin(request_id, stage, t_ns, token_index)
+            self.inner.stage_begin(request_id, stage, t_ns, token_index)
             return
         try:
             if len(self._open_stages) < 65536:  # same order as the recorder's open-interval bound
                 self._open_stages[(request_id, stage, token_index)] = t_ns
         except TypeError:  # unhashable: let the recorder count it
-            self._rec.stage_begin(request_id, stage, t_ns, token_index)
+            self.inner.stage_begin(request_id, stage, t_ns, token_index)
 
     def stage_end(self, request_id: int, stage: int, t_ns: int, token_index: int = -1, step: int = -1,
                   num_bytes: int = -1, tier: int = -1, batch_size: int = -1) -> None:
         """As ``Recorder.stage_end``."""
         if self._passes(request_id):
-            self._rec.stage_end(request_id, stage, t_ns, token_index, step, num_bytes, tier, batch_size)
+            self.inner.stage_end(request_id, stage, t_ns, token_index, step, num_bytes, tier, batch_size)
             return
         try:
             start = self._open_stages.pop((request_id, stage, token_index), None)
         except TypeError:
             start = None
         if start is None:  # the recorder counts the unmatched end as invalid
-            self._rec.stage_end(request_id, stage, t_ns, token_index, step, num_bytes, tier, batch_size)
+            self.inner.stage_end(request_id, stage, t_ns, token_index, step, num_bytes, tier, batch_size)
             return
         self.span(request_id, stage, start, t_ns, token_index, step, num_bytes, tier, batch_size)
-
-    def step(self, *args: int, **kwargs: int) -> None:
-        """As ``Recorder.step``: engine steps are never sampled."""
-        self._rec.step(*args, **kwargs)
 
     # ------------------------------------------------------------------ requests
 
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
                       num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
                       session_turn: int = -1) -> int:
-        """As ``Recorder.request_begin``; returns ``request_id_of(key)``."""
+        """As ``Recorder.request_begin``; returns ``request_id_of(key, tenant)``."""
         begin = dict(tenant=tenant, slo_class=slo_class, arrival_ns=arrival_ns,
                      num_prompt_tokens=num_prompt_tokens, trace_id=trace_id, session=session,
                      session_turn=session_turn)
         try:
-            rid = request_id_of(key)
+            rid = request_id_of(key, tenant)
         except Exception:  # the recorder counts the bad key
-            return self._rec.request_begin(key, **begin)
+            return self.inner.request_begin(key, **begin)
         if self._passes(rid):
-            return self._rec.request_begin(key, **begin)
+            return self.inner.request_begin(key, **begin)
         begin["key"] = key
         with self._lock:
             p = self._pending_locked(rid)
@@ -230,7 +227,7 @@ class SamplingRecorder:
                 p.begin = begin
                 p.t_arrival = arrival_ns
         if p is None:  # promoted: passes through
-            self._rec.request_begin(key, **{k: v for k, v in begin.items() if k != "key"})
+            self.inner.request_begin(key, **{k: v for k, v in begin.items() if k != "key"})
         return rid
 
     def request_end(self, request_id: int, *, finish_ns: int, status: int = RequestStatus.OK,
@@ -241,7 +238,7 @@ class SamplingRecorder:
                    num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens, error=error,
                    first_content_ns=first_content_ns)
         if self._passes(request_id):
-            self._rec.request_end(request_id, **end)
+            self.inner.request_end(request_id, **end)
             return
         with self._lock:
             p = self._pending.pop(request_id, None)
@@ -250,7 +247,7 @@ class SamplingRecorder:
             if p is not None:
                 self._bytes -= p.num_bytes
         if promoted:
-            self._rec.request_end(request_id, **end)
+            self.inner.request_end(request_id, **end)
             return
         arrival = -1 if p is None else p.t_arrival
         first = first_token_ns if first_token_ns >= 0 or p is None else p.first_out_ns
@@ -267,7 +264,7 @@ class SamplingRecorder:
         if keep:
             if p is not None:
                 self._replay(request_id, p)
-            self._rec.request_end(request_id, **end)
+            self.inner.request_end(request_id, **end)
 
     # ------------------------------------------------------------------ internals
 
@@ -329,7 +326,7 @@ class SamplingRecorder:
 
     def _replay(self, rid: int, p: _Pending) -> None:
         """Forward a buffered request's events to the recorder (outside the lock)."""
-        rec = self._rec
+        rec = self.inner
         if p.begin is not None:
             b = dict(p.begin)
             rec.request_begin(b.pop("key"), **b)
@@ -354,7 +351,7 @@ class SamplingRecorder:
     @property
     def counters(self) -> dict[str, int]:
         """The recorder's counters plus :attr:`sampling_counters`."""
-        return {**self._rec.counters, **self.sampling_counters}
+        return {**self.inner.counters, **self.sampling_counters}
 
     @property
     def num_buffered_bytes(self) -> int:
@@ -373,7 +370,7 @@ class SamplingRecorder:
         left to the next push).
         """
         counters = self.sampling_counters
-        sink = self._rec.sink
+        sink = self.inner.sink
         if counters == self._pushed or not isinstance(sink, CounterSink):
             return
         try:
@@ -385,37 +382,16 @@ class SamplingRecorder:
                 _log.warning("tokentrace: could not write sampling counters to the manifest (%s); will retry", err)
 
     def _push_loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s) and not self._rec.closed:
+        while not self._stop.wait(interval_s) and not self.inner.closed:
             self.push_counters()
-
-    def instance(self, **kwargs: Any) -> None:
-        self._rec.instance(**kwargs)
-
-    def clock(self) -> int:
-        return self._rec.clock()
-
-    def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        self._rec.loop_lag(start_ns, end_ns)  # process-level: never sampled out
 
     @property
     def recorder(self) -> Recorder:
-        return self._rec
-
-    @property
-    def instance_id(self) -> int:
-        return self._rec.instance_id
-
-    @property
-    def sink(self) -> Sink:
-        return self._rec.sink
-
-    @property
-    def closed(self) -> bool:
-        return self._rec.closed
+        return self.inner
 
     def flush(self) -> None:
         """Flush the recorder and push the sampling counters (blocks on the sink)."""
-        self._rec.flush()
+        self.inner.flush()
         self.push_counters()
 
     def close(self) -> None:
@@ -433,7 +409,7 @@ class SamplingRecorder:
             self._promotions += 1
             self._replay(rid, p)
         self.push_counters()
-        self._rec.close()
+        self.inner.close()
 
     def __enter__(self) -> SamplingRecorder:
         return self

@@ -23,7 +23,7 @@ __all__ = [
     "TT_ARRIVAL_UNIX_NS", "TT_FIRST_TOKEN_UNIX_NS", "TT_FINISH_UNIX_NS",
     "GEN_AI_LATENCY_PER_TOKEN_GENERATION_TIME", "GEN_AI_LATENCY_PER_TOKEN_SCHEDULED_TIME",
     "GEN_AI_ITERATION_PER_TOKEN_BATCH_SIZE", "GEN_AI_ITERATION_PER_TOKEN_CACHED_TOKENS",
-    "VLLM_LIFECYCLE_SPANS", "VLLM_STEP_SPANS", "SGLANG_RID", "SGLANG_STAGES",
+    "VLLM_LIFECYCLE_SPANS", "VLLM_STEP_SPANS", "SGLANG_RID", "SGLANG_STAGES", "TT_ENGINE_CONFIG_KEYS",
 ]
 
 LLM_REQUEST_SPAN = "llm_request"
@@ -117,6 +117,17 @@ GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference
 """vLLM: last token - scheduled (s, float)."""
 TT_FIRST_CONTENT_UNIX_NS = "tokentrace.first_content_unix_ns"
 """Our request attribute: first chunk with visible text (Unix ns)."""
+TT_ENGINE_CONFIG_KEYS: dict[str, str] = {
+    "tokentrace.engine.max_num_seqs": "max_num_seqs",
+    "tokentrace.engine.max_num_batched_tokens": "max_num_batched_tokens",
+    "tokentrace.engine.block_size": "block_size",
+    "tokentrace.engine.num_device_blocks": "num_device_blocks",
+    "tokentrace.engine.scheduling_policy": "scheduling_policy",
+}
+"""Resource attributes of a serving engine's configuration (counts; the policy a name), e.g. set with
+``OTEL_RESOURCE_ATTRIBUTES=tokentrace.engine.max_num_seqs=64,...``, and the ``engine_configs`` field each
+fills. An engine whose resource has ``tokentrace.engine.max_num_seqs`` gets one ``engine_configs`` row."""
+
 TT_INSTANCE_SPAN = "tokentrace.instance"
 """A zero-length span per instance, sent first by a lossless export (``token_events=True``): its
 resource describes an instance that may own no stage span (a client), so ingest knows it."""

@@ -72,7 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest suffix n-gram looked up (1-3)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--kv-chunk-blocks", type=int, default=16, help="KV blocks per transfer frame")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds without a pong = dead worker")
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="seconds of a worker's silence (no frame) while the gateway runs = dead worker (then restarted)")
+    p.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a dead worker again (backoff 1 s doubling to 30 s); off: the service stays degraded")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
@@ -107,7 +110,7 @@ def build_backend(args: argparse.Namespace, config: EngineConfig, delays: DelayC
     return ClusterBackend(
         config, mode=args.mode, num_instances=args.instances, num_prefill=args.prefill, num_decode=args.decode,
         router=args.router, delays=delays, kv_chunk_blocks=args.kv_chunk_blocks, host=args.host,
-        heartbeat_timeout_s=args.heartbeat_timeout)
+        heartbeat_timeout_s=args.heartbeat_timeout, restart_dead_workers=args.restart_workers)
 
 
 def _build_app(args: argparse.Namespace) -> Any:
@@ -133,7 +136,10 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family = infos[0][0] if infos else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP,
+        # and accepted connections inherit the listener's protocol. With Nagle on, a response's small writes
+        # on a kept-alive connection wait for the client's delayed ACK: ~40 ms on a token stream.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     except (OSError, UnicodeError) as exc:
         raise ValueError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
     try:

@@ -30,9 +30,9 @@ from typer.testing import CliRunner
 
 import tokentrace
 from analyzers.agreement import CLIENT_NS, DIFF_NS, itl_agreement, ttft_agreement
-from tokentrace.cli import app, register_commands
-from tokentrace.demo import DemoOptions, run_demo
-from tokentrace.demo.server import ServerSpec, ServerStartError, TracedServer, server_command
+from tokentrace.app.cli import app, register_commands
+from tokentrace.app.demo import DemoOptions, run_demo
+from tokentrace.app.demo.server import ServerSpec, ServerStartError, TracedServer, server_command
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, Role, Stage, col
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,7 +80,7 @@ def test_every_role_of_the_deployment_is_traced_into_one_run(demo):
 
 
 def test_the_tenants_analysis_uses_the_servers_scheduling_weights(demo):
-    from tokentrace.demo.load import DEMO_TENANTS
+    from tokentrace.app.demo.load import DEMO_TENANTS
 
     result, _, store = demo
     run, _, _ = _tables(store, result.run_id)
@@ -108,9 +108,11 @@ def test_the_report_is_printed(demo):
     for title in ("Latency (server view)", "Where the time went", "Client and server agreement", "Checks"):
         assert title in text
     assert "unattributed time:" in text and "overlap" in text and "ITL server - client" in text
-    verdict = result.report.headline[0]  # the load verdict comes first, as in `tokentrace report`
+    slo = result.report.headline[0]  # why before how loaded, as in `tokentrace report`
+    assert slo == result.report.diagnosis["verdict"] and slo.split(":")[0] in ("SLO MISSED", "SLO met"), slo
+    verdict = result.report.load["verdict"]
     assert verdict.split(":")[0] in ("SATURATED", "Not saturated", "Load not judged"), verdict
-    assert text.index(verdict[:40]) < text.index("Latency (server view)")
+    assert text.index(slo[:30]) < text.index(verdict[:40]) < text.index("Latency (server view)")
     assert str(result.run_path) in text
     assert f"tokentrace dashboard {store} --port 8050" in text  # --no-dashboard: the command to run instead
     assert result.report.metrics["ttft.p50"] > 0
@@ -164,7 +166,7 @@ def test_the_quickstart_quotes_what_the_demo_prints(demo):
         assert quoted in text, quoted
         assert quoted in doc, quoted
     assert "status 130" not in doc
-    source = (Path(__file__).resolve().parents[1] / "tokentrace" / "demo" / "__init__.py").read_text()
+    source = (Path(__file__).resolve().parents[1] / "tokentrace" / "app" / "demo" / "__init__.py").read_text()
     assert "is free (checked now, before the load)" in source and "dashboard port 8050 on 127.0.0.1 is free" in doc
 
 
@@ -181,8 +183,8 @@ def test_requests_produce_enough_tokens_to_time_each_one(demo):
 
 
 def test_the_default_load_has_enough_tokens_and_says_so_when_saturated():
-    from tokentrace.demo.load import LoadSpec, build_load_plan, mean_output_tokens
-    from tokentrace.demo.report import saturation_lines
+    from tokentrace.app.demo.load import LoadSpec, build_load_plan, mean_output_tokens
+    from tokentrace.app.demo.report import saturation_lines
 
     opts = DemoOptions()
     spec = LoadSpec(trace=TRACE, num_requests=opts.num_requests, time_scale=opts.time_scale,
@@ -219,7 +221,7 @@ def test_server_command_traces_a_disaggregated_server():
     spec = ServerSpec(store=Path("st"), run_id="r", tenants_file=Path("t.json"), model="tiny")
     argv = server_command(spec)
     run_at = argv.index("run")
-    assert argv[run_at - 2:run_at] == ["-m", "tokentrace.cli"]
+    assert argv[run_at - 2:run_at] == ["-m", "tokentrace.app.cli"]
     assert argv[run_at + 1:argv.index("--")] == ["--store", "st", "--run", "r"]
     server = argv[argv.index("--") + 1:]
     assert server[1:3] == ["-m", "reference_server"]
@@ -278,7 +280,7 @@ def _default_sigint() -> None:
 
 def test_ctrl_c_during_the_load_stops_everything_and_leaves_a_readable_store(tmp_path):
     store = tmp_path / "st"
-    cmd = [sys.executable, "-m", "tokentrace.cli", "demo", "--store", str(store), "--run", "cut", "--model",
+    cmd = [sys.executable, "-m", "tokentrace.app.cli", "demo", "--store", str(store), "--run", "cut", "--model",
            "tiny", "--trace", str(TRACE), "--requests", "60", "--time-scale", "1", "--no-dashboard",
            "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -316,7 +318,7 @@ def test_the_dashboard_step_serves_the_store_until_ctrl_c(tmp_path):
     port = _free_port()
     store = tmp_path / "real_run"  # a copy: serving a finished run saves its analysis facts next to it
     shutil.copytree(DATA / "real_run", store)
-    code = ("from pathlib import Path; from rich.console import Console; from tokentrace.demo import serve_dashboard; "
+    code = ("from pathlib import Path; from rich.console import Console; from tokentrace.app.demo import serve_dashboard; "
             f"serve_dashboard(Path({str(store)!r}), port={port}, console=Console())")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=_default_sigint)
@@ -376,9 +378,9 @@ def _spec_run(store: Path, *, speculated: bool) -> None:
 def test_the_speculative_flag_reaches_the_servers_own_options(tmp_path, monkeypatch):
     """`tokentrace demo --speculative` -> the demo's options -> the server's argv, which the reference server's
     own argument parser reads as speculation on (a draft model) for the trained model."""
-    import tokentrace.demo as demo_module
+    import tokentrace.app.demo as demo_module
     from reference_server.launcher import parse_args
-    from tokentrace.demo import demo_model
+    from tokentrace.app.demo import demo_model
 
     seen: list[DemoOptions] = []
     monkeypatch.setattr(demo_module, "run_demo", lambda opts: seen.append(opts))
@@ -398,8 +400,8 @@ def test_the_speculative_flag_reaches_the_servers_own_options(tmp_path, monkeypa
 
 
 def test_the_terminal_report_shows_speculation_only_when_the_run_speculated(tmp_path):
-    from tokentrace.demo.report import print_report
-    from tokentrace.report import make_report
+    from tokentrace.app.demo.report import print_report
+    from tokentrace.app.report import make_report
 
     for speculated in (True, False):
         store = tmp_path / f"st-{speculated}"

@@ -61,7 +61,8 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "set-up: CI creates the venv with the same pip line (tests/test_readme.py); the demo itself, reduced, "
         "is tests/test_demo.py, and with the dashboard it runs until Ctrl-C"),
     ("README.md", "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e "
-                  "'.[server,dashboard,test,spark]' && .venv/bin/python -m pytest -q"): Covered(
+                  "'.[server,dashboard,test,spark]' && .venv/bin/python -m pytest -q -n 2 --dist loadgroup -m \"not serial\" "
+                  "&& .venv/bin/python -m pytest -q -m serial"): Covered(
         "tests/test_readme.py::test_ci_runs_exactly_the_readme_test_command",
         "this is the command CI runs (.ci/run); running it here would run the suite inside itself"),
     ("README.md", ".venv/bin/tokentrace runs traces/"): RUN,
@@ -76,7 +77,9 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
                                    "--prefill 1 --decode 2"): Covered(
         "tests/instrument/test_reference_serving.py::test_disaggregated_cluster_with_a_skewed_worker_clock",
         "a long-running server; the second line traces the user's own my_server.py "
-        "(tests/tokentrace/cli/commands/test_run.py covers --run and --sample)"),
+        "(tests/tokentrace/app/cli/commands/test_run.py covers --run and --sample)"),
+    ("docs/whatif.md", "tokentrace whatif traces --set rate_scale=1.5"): Run(timeout_s=300.0),
+    ("docs/diagnosis.md", "tokentrace why traces/"): RUN,
     ("docs/report.md", "tokentrace report stores/ci --baseline stores/main --budget tokentrace.toml \\"):
         Run(codes=(0, 1)),  # exit 1 = a budget failed, which is what the CI step reports
     ("docs/instrumenting.md", "tokentrace run --store traces --run disagg -- python -m reference_server --mode "
@@ -90,14 +93,19 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "needs the server of the previous block; the demo replays Mooncake through the same bench machinery "
         "into the server's run and the report is read from it"),
     ("docs/instrumenting.md", "python my_engine.py && tokentrace report traces --run my-engine"): RUN,
+    ("docs/instrumenting.md", "python hf_server.py"): Covered(
+        "tests/instrument/test_hf_transformers.py::"
+        "test_the_documented_fastapi_transformers_server_traces_every_stage_of_every_token",
+        "a long-running server on the fixed port 8000; the test serves the doc's own hf_server.py on a free "
+        "port, streams concurrent requests through it and checks every stage and the attribution"),
     ("docs/instrumenting.md", "tokentrace bench --url http://127.0.0.1:8000 --sessions agent --num-sessions 4 "
                               "--length-scale 0.25 --processes 0 --store traces --run agent-keep"): Covered(
-        "tests/tokentrace/bench/test_sessions.py::test_agent_sessions_on_the_reference_server_record_sessions_and_full_reuse",
+        "tests/tokentrace/app/bench/test_sessions.py::test_agent_sessions_on_the_reference_server_record_sessions_and_full_reuse",
         "needs the server of the block before; the test runs agent sessions against a reference server that keeps "
-        "sessions' KV, and tests/tokentrace/report/test_sessions.py::test_retention_policies_compared_run_against_run "
+        "sessions' KV, and tests/tokentrace/app/report/test_sessions.py::test_retention_policies_compared_run_against_run "
         "compares two retention policies with --baseline"),
     ("docs/quickstart.md", "tokentrace demo --sessions agent --num-sessions 6 --kv-retention keep --no-dashboard"):
-        Covered("tests/tokentrace/demo/test_sessions.py::test_the_demo_runs_agent_sessions_on_the_disaggregated_server",
+        Covered("tests/tokentrace/app/demo/test_sessions.py::test_the_demo_runs_agent_sessions_on_the_disaggregated_server",
                 "starts a disaggregated server for about a minute; the test runs the same path reduced (one "
                 "session, the tiny model)"),
     ("docs/instrument-otel.md", "tokentrace ingest-otlp --grpc-listen 127.0.0.1:4317 --store traces --run vllm-run-1"):
@@ -132,7 +140,7 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
                 "on a free port and checks the run comes back whole"),
     ("docs/instrument-otel.md", "tokentrace ingest-client profile_export.jsonl --format aiperf --store traces "
                                 "--run aiperf-run"):
-        Covered("tests/tokentrace/clients/test_importers.py::test_report_shows_the_agreement_of_an_imported_aiperf_run",
+        Covered("tests/tokentrace/app/clients/test_importers.py::test_report_shows_the_agreement_of_an_imported_aiperf_run",
                 "needs an AIPerf export of a run in the store; the test imports a real AIPerf 0.13 export into the "
                 "store the reference server wrote for it, then runs tokentrace report on it"),
     ("docs/instrument-otel.md", "tokentrace run --store traces --metrics-port 9400 -- python -m reference_server "
@@ -169,7 +177,7 @@ COVERAGE: dict[tuple[str, str], Run | Covered] = {
         "takes minutes; the test runs it reduced (tiny model, batches 1 and 2) and checks its table and last line"),
     ("docs/scaling.md", "tokentrace run --store traces --sample 0.1 -- python -m reference_server --mode disagg "
                         "--prefill 1 --decode 1 --port 8000"): Covered(
-        "tests/tokentrace/cli/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",
+        "tests/tokentrace/app/cli/commands/test_run.py::test_command_gets_the_environment_and_its_exit_status_is_returned",
         "a long-running server; that test checks --sample reaches every traced process, tests/test_demo.py "
         "runs tokentrace run around the disaggregated server"),
 }

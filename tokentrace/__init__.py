@@ -26,9 +26,11 @@ import os
 from typing import Any
 
 from tokentrace.api import (
+    RequestContext,
     bind,
     cache_event,
     current,
+    current_request,
     request_begin,
     request_end,
     span,
@@ -58,6 +60,8 @@ __all__ = [
     "Handle",
     "instrument",
     "open",
+    "current_request",
+    "RequestContext",
     "runs",
     "now_ns",
     "bind",
@@ -78,13 +82,31 @@ def open(path: str | os.PathLike[str], run: str | None = None, *, engine: str | 
          spark_master: str | None = None) -> Any:
     """Open run ``run`` (default: the newest) of the store at ``path``, with ``.analyze()``.
 
-    See ``tokentrace.store.open_run`` for how the run is chosen and the errors. ``engine``: what
-    ``.analyze()`` runs on, ``"duckdb"`` (default, embedded) or ``"spark"`` (the ``[spark]`` extra;
-    ``spark_master`` default ``local[*]``); see ``docs/scaling.md``.
+    See ``tokentrace.store.open_run`` for how the run is chosen and the errors. When ``run`` is not
+    given and the store holds several runs, a ``UserWarning`` names the one opened and the others
+    (pass ``run=`` to choose). ``engine``: what ``.analyze()`` runs on, ``"duckdb"`` (default,
+    embedded) or ``"spark"`` (the ``[spark]`` extra; ``spark_master`` default ``local[*]``); see
+    ``docs/scaling.md``.
     """
-    from tokentrace.analysis import open_run
+    from tokentrace.app.analysis import open_run
 
-    return open_run(path, run, engine=engine, spark_master=spark_master)
+    opened = open_run(path, run, engine=engine, spark_master=spark_master)
+    if run is None:
+        _say_which_run(path, opened.run_id)
+    return opened
+
+
+def _say_which_run(path: str | os.PathLike[str], opened: str) -> None:
+    """Warn, naming the run opened, when the store at ``path`` holds several."""
+    import warnings
+
+    from tokentrace.store.reader import find_run_dirs
+
+    others = [d.name for d in reversed(find_run_dirs(path)) if d.name != opened]
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        warnings.warn(f"{os.fspath(path)} holds {len(others) + 1} runs; opened the newest, {opened!r} "
+                      f"(others: {shown}); pass run=... to choose one", UserWarning, stacklevel=3)
 
 
 def runs(path: str | os.PathLike[str]) -> list[Any]:

@@ -14,7 +14,10 @@ records afterwards.
 
 from __future__ import annotations
 
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Callable
 
 from tokentrace.clock import now_ns
 from tokentrace.recorder import Recorder
@@ -32,6 +35,10 @@ __all__ = [
     "token_sent",
     "step",
     "cache_event",
+    "RequestContext",
+    "current_request",
+    "enter_request",
+    "leave_request",
 ]
 
 
@@ -180,3 +187,55 @@ def stage(request_id: int, stage: int, token_index: int = -1) -> _StageTimer | _
     if r is None:
         return _NO_STAGE
     return _StageTimer(r, request_id, stage, token_index)
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    """The traced request the running code serves: what engine code needs to join its stages to it.
+
+    Made by whatever traces the request's arrival (the ASGI middleware, ``TokenTraceMiddleware``)
+    and found with :func:`current_request` anywhere in the request's context: the app's handler,
+    the tasks it starts (``asyncio`` copies the context), ``asyncio.to_thread``. A thread started
+    with ``threading.Thread`` does not inherit it: take it in the handler and hand it over. Its
+    stages go to the recorder that records the request, under its ``request_id``.
+    """
+
+    request_id: int  # the requests row's id (schema.request_id_of(key, tenant))
+    key: str  # the request's key: its X-Request-Id header, or the id drawn for it
+    recorder: Recorder = field(repr=False)
+    tenant: str = ""
+    slo_class: str = ""
+    receive_end: Callable[[], int] | None = field(default=None, repr=False)  # when the body had been read
+    last_send_start_ns: int = field(default=-1, repr=False)  # the latest response body send began; -1: none yet
+
+    def receive_end_ns(self) -> int:
+        """When the whole request body had been read (monotonic ns), or -1 while unknown."""
+        return self.receive_end() if self.receive_end is not None else -1
+
+    def span(self, stage: int, start_ns: int, end_ns: int, token_index: int = -1, step: int = -1) -> None:
+        """Record ``[start_ns, end_ns)`` of ``stage`` for this request (token ``token_index``; -1: the request)."""
+        self.recorder.span(self.request_id, stage, start_ns, end_ns, token_index, step)
+
+    def stage(self, stage: int, token_index: int = -1) -> _StageTimer:
+        """Context manager timing a block as one interval of ``stage`` of this request."""
+        return _StageTimer(self.recorder, self.request_id, stage, token_index)
+
+
+
+_request: ContextVar[RequestContext | None] = ContextVar("tokentrace_request", default=None)
+
+
+def current_request() -> RequestContext | None:
+    """The traced request this code runs for (see :class:`RequestContext`), or None outside one."""
+    return _request.get()
+
+
+def enter_request(context: RequestContext) -> Token[RequestContext | None]:
+    """Make ``context`` the current request of this context (for tracers of a request's arrival);
+    pass the result to :func:`leave_request` when the request is done."""
+    return _request.set(context)
+
+
+def leave_request(token: Token[RequestContext | None]) -> None:
+    """Undo :func:`enter_request`."""
+    _request.reset(token)

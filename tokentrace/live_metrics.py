@@ -34,10 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokentrace.clock import Anchor
-from tokentrace.recorder import Recorder
-from tokentrace.recorder.sink import Sink
-from tokentrace.schema import UNATTRIBUTED_LABEL, RequestStatus, Role, Stage
+from tokentrace.recorder import ForwardingRecorder, Recorder
+from tokentrace.schema import UNATTRIBUTED_LABEL, RequestStatus, Stage
 
 __all__ = ["MetricsRecorder", "serve_metrics", "MetricsServer", "OVERLAP_LABEL", "TTFT_BUCKETS_S", "ITL_BUCKETS_S",
            "STAGE_BUCKETS_S", "MAX_OPEN_REQUESTS"]
@@ -94,7 +92,7 @@ def _metrics(registry: Any) -> dict[str, Any]:
     }
 
 
-class MetricsRecorder:
+class MetricsRecorder(ForwardingRecorder):
     """A :class:`~tokentrace.recorder.Recorder` that forwards to ``inner`` and keeps live metrics.
 
     ``registry``: a ``prometheus_client.CollectorRegistry`` (default: a new one, so two traced
@@ -106,7 +104,7 @@ class MetricsRecorder:
         from prometheus_client import CollectorRegistry
         from prometheus_client.core import CounterMetricFamily
 
-        self.inner = inner
+        super().__init__(inner)
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m = _metrics(self.registry)
         self._open: dict[int, _Open] = {}
@@ -142,11 +140,6 @@ class MetricsRecorder:
         if token_index >= 0:
             self._guard(self._span, request_id, stage, start_ns, end_ns, token_index)
 
-    def stage_end(self, request_id: int, stage: int, t_ns: int, token_index: int = -1,
-                  step: int = -1, num_bytes: int = -1, tier: int = -1, batch_size: int = -1) -> None:
-        # stage_begin/stage_end pairs are kept by the inner recorder; live metrics see spans only
-        self.inner.stage_end(request_id, stage, t_ns, token_index, step, num_bytes, tier, batch_size)
-
     def token(self, request_id: int, token_index: int, *, emit_ns: int = -1, sent_ns: int = -1,
               recv_ns: int = -1, step: int = -1) -> None:
         self.inner.token(request_id, token_index, emit_ns=emit_ns, sent_ns=sent_ns, recv_ns=recv_ns, step=step)
@@ -164,60 +157,8 @@ class MetricsRecorder:
                                error=error, first_content_ns=first_content_ns)
         self._guard(self._end, request_id, finish_ns, status)
 
-    # -- pass-through
-
-    def clock(self) -> int:
-        return self.inner.clock()
-
-    def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
-        self.inner.stage_begin(request_id, stage, t_ns, token_index)
-
-    def step(self, step: int, start_ns: int, end_ns: int, num_seqs: int, num_prefill_tokens: int,
-             num_decode_tokens: int, num_waiting: int, num_running: int, num_preempted: int,
-             blocks_used_device: int = -1, blocks_total_device: int = -1,
-             blocks_used_host: int = -1, blocks_total_host: int = -1,
-             blocks_used_disk: int = -1, blocks_total_disk: int = -1) -> None:
-        self.inner.step(step, start_ns, end_ns, num_seqs, num_prefill_tokens, num_decode_tokens, num_waiting,
-                        num_running, num_preempted, blocks_used_device, blocks_total_device, blocks_used_host,
-                        blocks_total_host, blocks_used_disk, blocks_total_disk)
-
-    def cache_event(self, kind: int, tier: int, num_blocks: int, start_ns: int, end_ns: int,
-                    request_id: int = -1, num_tokens: int = -1, num_bytes: int = -1, step: int = -1) -> None:
-        self.inner.cache_event(kind, tier, num_blocks, start_ns, end_ns, request_id, num_tokens, num_bytes, step)
-
-    def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        self.inner.loop_lag(start_ns, end_ns)
-
-    def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
-                  first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,
-                  verify_end_ns: int, batch_size: int, num_spec_seqs: int) -> None:
-        self.inner.spec_step(request_id, step, draft_source, num_proposed, num_accepted, first_token_index,
-                             draft_start_ns, draft_end_ns, verify_start_ns, verify_end_ns, batch_size, num_spec_seqs)
-
-    def instance(self, *, role: int = Role.COLOCATED, name: str = "", host: str | None = None,
-                 pid: int | None = None, anchor: Anchor | None = None, clock_offset_ns: int = 0,
-                 clock_rtt_ns: int = -1) -> None:
-        self.inner.instance(role=role, name=name, host=host, pid=pid, anchor=anchor, clock_offset_ns=clock_offset_ns,
-                            clock_rtt_ns=clock_rtt_ns)
-
-    @property
-    def instance_id(self) -> int:
-        return self.inner.instance_id
-
-    @property
-    def sink(self) -> Sink:
-        return self.inner.sink
-
-    @property
-    def closed(self) -> bool:
-        return self.inner.closed
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self.inner.counters
-
-    def flush(self) -> None:
-        self.inner.flush()
+    # -- everything else passes through (ForwardingRecorder); stage_begin/stage_end pairs are kept by the
+    # inner recorder: live metrics see spans only
 
     def close(self) -> None:
         """Stop serving (if :func:`serve_metrics` started a server) and close the inner recorder."""

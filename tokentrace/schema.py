@@ -30,6 +30,9 @@ from typing import Iterator
 import pyarrow as pa
 
 __all__ = [
+    "DEFAULT_TENANT",
+    "MAX_LABEL_CHARS",
+    "cap_label",
     "SCHEMA_VERSION",
     "MIN_READABLE_SCHEMA_VERSION",
     "SCHEMA_VERSION_KEY",
@@ -51,6 +54,8 @@ __all__ = [
     "LOOP_LAGS",
     "SPEC_STEPS",
     "INSTANCES",
+    "ENGINE_CONFIGS",
+    "SETUP_TABLES",
     "RUN_COLUMN",
     "TABLES",
     "table",
@@ -58,14 +63,18 @@ __all__ = [
     "column_names",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 5
 """Version of the on-disk layout; written into every Parquet file's metadata.
 
 2: stages ``gateway.accept`` and ``stream.relay``; ``requests.first_content_ns``
 (files of version 1 read it as null); table ``loop_lags``.
 3: stages ``decode.draft`` and ``decode.verify``; table ``spec_steps`` (speculative decoding);
 ``requests.session_name`` and ``requests.session_turn`` (files of version 2 read them as null);
-cache event kinds ``retain``, ``drop`` and ``carry``."""
+cache event kinds ``retain``, ``drop`` and ``carry``.
+4: table ``engine_configs`` (each engine instance's serving configuration); runs written before it have
+none, and readers see it as an empty table.
+5: cache event kind ``miss_evicted`` (a prefix lookup's blocks the cache held once and evicted); runs
+written before it have none."""
 
 MIN_READABLE_SCHEMA_VERSION = 0
 """Oldest version readers still accept (version 0 is the pre-release layout)."""
@@ -243,6 +252,11 @@ class CacheEventKind(enum.IntEnum):
     """At a session turn's admission: the leading prompt blocks (``num_blocks``, ``event_num_tokens``)
     whose KV the session's previous turn had computed, whether or not they are still cached.
     Carried minus hit blocks is what the think time cost. ``request_id``: the new turn."""
+    MISS_EVICTED = 11
+    """At a prefix lookup: the leading prompt blocks right after those found (``num_blocks``,
+    ``event_num_tokens``) that the cache held once, an earlier request having computed them, and
+    has since evicted from every tier; the request computes them again. ``request_id``: the
+    request looked up. Recorded by tracers whose engine remembers evicted block hashes."""
 
     @property
     def label(self) -> str:
@@ -384,6 +398,15 @@ class col:
     VERIFY_START_NS = "verify_start_ns"
     VERIFY_END_NS = "verify_end_ns"
     NUM_SPEC_SEQS = "num_spec_seqs"
+    MAX_NUM_SEQS = "config_max_num_seqs"
+    MAX_NUM_BATCHED_TOKENS = "config_max_num_batched_tokens"
+    KV_BLOCK_SIZE = "kv_block_size"
+    SCHEDULING_POLICY = "scheduling_policy_name"
+    PREEMPTION_MODE = "preemption_mode_name"
+    CHUNKED_PREFILL = "chunked_prefill_enabled"
+    PREFIX_CACHING = "prefix_caching_enabled"
+    SPECULATIVE_SOURCE = "speculative_source_name"
+    NUM_SPECULATIVE_TOKENS = "config_num_speculative_tokens"
 
 
 @dataclass(frozen=True)
@@ -505,7 +528,8 @@ TOKENS = Table(
     (
         _REQUEST_ID,
         _i32(col.TOKEN_INDEX, "0-based index of the output token."),
-        _ns(col.EMIT_NS, "When the engine produced the token (sampled).", nullable=True),
+        _ns(col.EMIT_NS, "When the engine handed the token out: after sampling and detokenization (its text is "
+                         "known), not when its id was sampled.", nullable=True),
         _ns(col.SENT_NS, "When the token's delta was written to the client stream.", nullable=True),
         _ns(col.RECV_NS, "When the client received the token's chunk (client role only).", nullable=True),
         _STEP,
@@ -612,6 +636,37 @@ INSTANCES = Table(
     ),
 )
 
+ENGINE_CONFIGS = Table(
+    "engine_configs",
+    "One row per engine instance (colocated, prefill or decode worker): the serving configuration it ran with, "
+    "written once when the engine is instrumented. What a simulator of the engine needs and the steps do not say "
+    "(limits, not usage). Readers take the latest row of an instance; runs without the table (schema version 3 "
+    "and older, or a server that exposes no configuration) read it as empty.",
+    (
+        _INSTANCE_ID,
+        _i8(col.ROLE, "What the engine does (Role): colocated, prefill or decode.", enum=Role),
+        _count(col.MAX_NUM_SEQS, "Most sequences in one engine step."),
+        _count(col.MAX_NUM_BATCHED_TOKENS, "Token budget of one engine step (prefill chunks and decode tokens)."),
+        _count(col.KV_BLOCK_SIZE, "Tokens per KV cache block."),
+        _count(col.NUM_BLOCKS_TOTAL_DEVICE, "KV blocks in the device tier.", nullable=True),
+        _count(col.NUM_BLOCKS_TOTAL_HOST, "KV blocks in the host tier.", nullable=True),
+        _count(col.NUM_BLOCKS_TOTAL_DISK, "KV blocks in the disk tier.", nullable=True),
+        _str(col.SCHEDULING_POLICY, "Order of waiting requests, e.g. fcfs, slo (deadline first) or fair."),
+        _str(col.PREEMPTION_MODE, "How a running request is preempted: recompute or swap (empty if unknown)."),
+        _i8(col.CHUNKED_PREFILL, "1 if a long prompt is prefilled in chunks under the step budget; -1 = unknown.",
+            nullable=True),
+        _i8(col.PREFIX_CACHING, "1 if prompt prefixes are shared through the prefix cache; -1 = unknown.",
+            nullable=True),
+        _str(col.SPECULATIVE_SOURCE, "Speculative decoding's draft source (model, ngram, early-exit); empty = off."),
+        _count(col.NUM_SPECULATIVE_TOKENS, "Proposals per request per speculative step (k); 0 when off.",
+               nullable=True),
+    ),
+)
+
+SETUP_TABLES: frozenset[str] = frozenset({ENGINE_CONFIGS.name})
+"""Tables an adapter writes whole, once, at set-up (a one-row batch straight to the recorder's sink), not
+through the recorder's hot-path buffers: they have no buffer layout and no recorder method."""
+
 RUN_COLUMN = Column(
     col.RUN_ID, pa.string(),
     "The run the row belongs to (its run folder's name), so that globbing several runs stays safe. The store "
@@ -621,7 +676,7 @@ RUN_COLUMN = Column(
 """A column of every stored part file, outside the tables' own column lists (see its doc)."""
 
 TABLES: dict[str, Table] = {t.name: t for t in (REQUESTS, SPANS, TOKENS, STEPS, CACHE_EVENTS, LOOP_LAGS, SPEC_STEPS,
-                                                  INSTANCES)}
+                                                  INSTANCES, ENGINE_CONFIGS)}
 """Every table of a store by name."""
 
 
@@ -638,12 +693,32 @@ def column_names() -> frozenset[str]:
     return frozenset(c.name for t in TABLES.values() for c in t.columns)
 
 
-def request_id_of(key: str) -> int:
-    """Stable non-negative 63-bit integer id for a request id string.
+DEFAULT_TENANT = "default"
+"""The tenant of a server that has no tenants (the reference server's, when no API keys are set)."""
 
-    Every process computes the same value for the same string, so spans from the
-    gateway, prefill and decode workers join without a shared interning table.
-    Called once per request, never per event.
+MAX_LABEL_CHARS = 128
+"""Longest tenant, SLO class, session or request key kept (characters); a longer one is cut
+there, on every path (recorder, ASGI middleware, gateway tracer, OTLP). They are labels, not content."""
+
+
+def cap_label(value: str) -> str:
+    """``value`` cut to :data:`MAX_LABEL_CHARS` characters (tenant, SLO class, session, request key)."""
+    return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS]
+
+
+def request_id_of(key: str, tenant: str = "") -> int:
+    """Stable non-negative 63-bit integer id of request ``key`` of ``tenant``.
+
+    Every process computes the same value for the same (tenant, key), so spans from the
+    gateway, prefill and decode workers join without a shared interning table. A request
+    key names a request among its tenant's only: two tenants sending the same
+    ``X-Request-Id`` get two ids. The empty tenant and :data:`DEFAULT_TENANT` (a server
+    without tenants) are not part of the id, so a client that knows no tenant computes the
+    server's id from the key alone. Both are capped (:func:`cap_label`) first, as the
+    recorder stores them. Called once per request, never per event.
     """
-    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    text = cap_label(key)
+    if tenant and tenant != DEFAULT_TENANT:
+        text = f"{cap_label(tenant)}\x1f{text}"  # unit separator: no tenant/key pair hashes as another
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF

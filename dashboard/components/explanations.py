@@ -24,7 +24,7 @@ EXPLAIN: dict[str, str] = {
                    "than the token's time). Overlap: time two stages both claim. Each should stay under 1%.",
     "critical_path": "The stages of the first token in order, with their mean duration, for the median and "
                      "the p99 request: what a slow first token waited on.",
-    "explorer": "The slowest {n:,} requests of the run, slowest first (filter and sort them here). Pick one to see its waterfall: each stage as a bar on the "
+    "explorer": "The slowest {n:,} requests of the run, the longest time to first token first (filter and sort them here). Pick one to see its waterfall: each stage as a bar on the "
                 "lane of the process that ran it, each token as a tick, the client's view on its own lane.",
     "queues_timeline": "Requests waiting for admission, running and preempted, per engine instance over time.",
     "queue_delay": "Time requests spent in schedule.queue before admission, per SLO class.",
@@ -105,8 +105,11 @@ EXPLAIN: dict[str, str] = {
                        "cost of a longer prompt before its first token.",
     "capacity_cdf": "Share of requests (ITL: of tokens) at or under each latency. Dashed: the SLO targets (TTFT "
                     "targets on TTFT, TPOT targets on ITL and TPOT).",
-    "compare": "Candidate against baseline: each metric's change with a bootstrap 95% confidence interval, its "
-               "p-value (Holm-adjusted over every row) and sample sizes. Significant: adjusted p < 0.05, at least "
-               "0.1 ms and, unless the baseline is near zero, at least 2%. Regressions (vermillion; improvements "
-               "blue) are ranked by their contribution to mean TTFT and ITL.",
+    "compare": "Candidate against baseline, each run counted once: a metric's change is judged against how much "
+               "it moves between runs of one configuration (noise, the documented figure for one run a side). "
+               "Significant: Holm-adjusted p < 0.05 within its family (primary: TTFT, ITL and E2E p50 and p99; "
+               "other latency; stages, mean and median per token; context), at least 0.1 ms and 2%; "
+               "otherwise 'noise' (not distinguishable from run-to-run noise). min_detectable: the smallest change "
+               "this comparison detects with 90% power; runs_needed: runs a side that would detect the change seen. "
+               "Regressions vermillion, improvements blue; hit rate, preemptions, utilisation and queue depth beside.",
 }

@@ -4,7 +4,7 @@ Every builder takes a pandas DataFrame an analyzer returned and the names of
 its columns to draw. What a person reads is written for a person:
 
 * legends and headers are labels with units (``p99 (ms)``), never column names
-  (:func:`tokentrace.report.render_names.column_label`);
+  (:func:`tokentrace.app.report.render_names.column_label`);
 * numbers have thousands separators and a unit, shares are percentages; never
   scientific notation;
 * instances are named (``prefill-0``); an integer id is never drawn, and one that
@@ -28,11 +28,11 @@ from dash.dash_table.Format import Format, Group, Scheme
 
 from dashboard.components.shell import notice
 from dashboard.data import downsample
+from tokentrace.app.report.render_names import ID_COLUMNS, column_label, is_percent_column, with_instance_names
 from tokentrace.palette import SERIES_COLOURS
-from tokentrace.report.render_names import ID_COLUMNS, column_label, is_percent_column, with_instance_names
 from tokentrace.schema import col
 
-__all__ = ["graph", "graph_or_notice", "has_values", "bars", "bars_row", "lines", "kpis", "table", "fmt",
+__all__ = ["graph", "graph_or_notice", "has_values", "bars", "bars_row", "lines", "kpis", "table", "fmt", "shown_label",
            "explained", "warm_up", "unit_of", "LAYOUT", "hover_number"]
 
 MARKER_POINTS = 300
@@ -194,6 +194,17 @@ def fmt(value: Any, unit: str = "", digits: int = 1) -> str:
     else:
         text = f"{int(value):,}"
     return f"{text}%" if unit == "%" else f"{text} {unit}".strip()
+
+
+SHOWN_LABEL_CHARS = 64
+"""Longest tenant, SLO class or request key shown whole; a longer one (a store written before labels
+were capped, or a hostile name) is cut with an ellipsis, so no cell or option is a 100 KB string."""
+
+
+def shown_label(value: Any) -> str:
+    """``value`` as text for a table cell, a title or an option's label, cut to :data:`SHOWN_LABEL_CHARS`."""
+    text = "" if value is None else str(value)
+    return text if len(text) <= SHOWN_LABEL_CHARS else text[:SHOWN_LABEL_CHARS - 1] + "…"
 
 
 def kpis(items: Sequence[tuple[str, str]], *, kpi_id: str = "") -> html.Div:

@@ -31,7 +31,7 @@ SOURCE_KEY = "TOKENTRACE_DATA_SOURCE"
 VIEWS: tuple[tuple[str, str], ...] = (
     ("/", "Overview"), ("/capacity", "Capacity"), ("/breakdown", "Breakdown"), ("/explorer", "Requests"), ("/queues", "Queues"),
     ("/cache", "Cache"), ("/pd-ratio", "PD ratio"), ("/batch", "Batch"), ("/speculative", "Speculative"),
-    ("/sessions", "Sessions"), ("/tenants", "Tenants"),
+    ("/sessions", "Sessions"), ("/tenants", "Tenants"), ("/whatif", "What-if"),
     ("/compare", "Compare"),
 )
 GROUPINGS: dict[str, str] = {"": "whole run", "tenant": "by tenant", "slo_class": "by SLO class",

@@ -5,7 +5,7 @@ reference clock, by :meth:`tokentrace.clock.RunClocks.align`). Drawing only:
 
 * one lane per traced process that recorded a row of the request, named as every
   view names it (``prefill-0``, ``colocated · engine-0``;
-  :func:`tokentrace.report.render_names.instance_labels`) and ordered gateway,
+  :func:`tokentrace.app.report.render_names.instance_labels`) and ordered gateway,
   prefill, colocated, decode, other, client;
 * each stage interval is a horizontal bar on its process's lane, in the stage's
   colour of the one palette (:mod:`tokentrace.palette`), one legend entry per stage;
@@ -31,9 +31,10 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
+from dashboard.components.figures import shown_label
 from dashboard.data import RequestTrace
+from tokentrace.app.report.render_names import instance_labels
 from tokentrace.palette import STAGE_COLOURS
-from tokentrace.report.render_names import instance_labels
 from tokentrace.schema import Role, Stage, col
 
 __all__ = ["waterfall_figure", "TICKS_PREFIX", "HANDOVER_NAME", "token_intervals_ms", "lane_names", "request_name",
@@ -80,7 +81,7 @@ def _client_ids(trace: RequestTrace) -> set[int]:
 def request_name(trace: RequestTrace) -> str:
     """The request's own id string (``requests.request_key``): what its server and client call it."""
     keys = [str(k) for k in trace.requests.get(col.REQUEST_KEY, pd.Series(dtype=object)).dropna() if str(k)]
-    return keys[0] if keys else "(no request key recorded)"
+    return shown_label(keys[0]) if keys else "(no request key recorded)"
 
 
 def token_intervals_ms(trace: RequestTrace) -> dict[int, tuple[float, float]]:

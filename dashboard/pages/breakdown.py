@@ -8,14 +8,15 @@ import dash
 import pandas as pd
 import plotly.graph_objects as go
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import grouping_picker, run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import LAYOUT, explained, graph_or_notice, kpis
 from dashboard.components.shell import GROUP_COLUMN, GROUPINGS, ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource
+from tokentrace.app.report.headline import attribution_sentence, hidden_stages_sentence
+from tokentrace.app.report.sections import hidden_stages
 from tokentrace.palette import label_colour
-from tokentrace.report.headline import attribution_sentence, hidden_stages_sentence
-from tokentrace.report.sections import hidden_stages
 from tokentrace.schema import SPANS, col
 
 PATH = "/breakdown"
@@ -83,14 +84,14 @@ def critical_path_figure(frame: pd.DataFrame) -> go.Figure:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Stage shares of run ``q.run`` for the whole run, by tenant and by SLO class; its critical path."""
     rid = src.resolve(q.run)
-    sections = [explained("Attribution", EXPLAIN["attribution"], _attribution(src.result(rid, "attribution")))]
+    sections = [explained("Attribution", EXPLAIN["attribution"], _attribution(src.result(rid, RunAnalysis.attribution)))]
     if not src.info(rid).tables.get(SPANS.name, 0):
         return sections + [explained("Stage shares", EXPLAIN["breakdown"], notice(
             "This run recorded no stage spans: its TTFT and ITL cannot be split into stages (all of their time is "
             "unattributed). Trace the server with tokentrace's adapters or the manual API to record stages."))]
     for by in dict.fromkeys(["", q.by]):  # the whole run, and the grouping the URL asks for
         label = GROUPINGS[by]
-        frame = src.result(rid, "stage_breakdown", by=by or None)
+        frame = src.result(rid, RunAnalysis.stage_breakdown, by=by or None)
         group = GROUP_COLUMN.get(by)
         names = src.instance_names(rid) if group == col.INSTANCE_ID else None
         graphs = [graph_or_notice(frame, f"breakdown-{kind}-{by or 'all'}", lambda f, kind=kind, klabel=klabel:
@@ -101,7 +102,7 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
         if hidden:  # every stage is drawn or named
             children.append(dash.html.P(hidden, id="breakdown-hidden", className="tt-explain"))
         sections.append(explained(f"Stage shares, {label}", EXPLAIN["breakdown"], *children))
-    path = src.result(rid, "critical_path")
+    path = src.result(rid, RunAnalysis.critical_path)
     sections.append(explained("Critical path", EXPLAIN["critical_path"], graph_or_notice(
         path, "breakdown-critical-path", critical_path_figure, "No first tokens with stages in this run.")))
     return sections

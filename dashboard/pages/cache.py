@@ -9,6 +9,7 @@ from typing import Any
 import dash
 import pandas as pd
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, bars_row, explained, fmt, graph_or_notice, kpis, lines
@@ -67,7 +68,7 @@ def _hit_value(frame: pd.DataFrame) -> list[Any]:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Cache analyses of run ``q.run``."""
     rid = src.resolve(q.run)
-    rep = src.result(rid, "cache")
+    rep = src.result(rid, RunAnalysis.cache)
     best = float(rep.prefix.iloc[0]["best_token_hit_rate"]) if len(rep.prefix) else math.nan
     tiers = graph_or_notice(rep.tiers, "cache-tiers", lambda f: bars(
         f, "tier", ["lookup_hit_rate", "share_of_hit_blocks"], title="Hits per KV tier", yaxis="share"),

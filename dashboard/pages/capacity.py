@@ -13,6 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import LAYOUT, explained, fmt, graph, graph_or_notice, kpis, table
@@ -36,9 +37,9 @@ def _values(series: pd.Series) -> list[float]:
 
 
 def _summary(src: DataSource, rid: str) -> list[Any]:
-    s = src.capacity(rid, "throughput_summary")
-    pct = src.capacity(rid, "percentiles")
-    offered = src.capacity(rid, "offered_load").iloc[0]["offered_rps"]  # the load analysis's figure, alone
+    s = src.result(rid, RunAnalysis.capacity_throughput_summary)
+    pct = src.result(rid, RunAnalysis.capacity_percentiles)
+    offered = src.result(rid, RunAnalysis.capacity_offered_load).iloc[0]["offered_rps"]  # the load analysis's figure, alone
     if len(s) == 0 or int(s.iloc[0]["num_requests"]) == 0:
         return [notice("This run has no requests with an arrival time: no throughput to measure.")]
     r = s.iloc[0]
@@ -110,13 +111,13 @@ def over_time_figure(tp: pd.DataFrame, lat: pd.DataFrame, queue: pd.DataFrame | 
 
 def _over_time(src: DataSource, rid: str, targets: dict[str, dict[str, float]]) -> Any:
     w = series_window_s(src.info(rid).duration_ns)
-    tp = src.capacity(rid, "throughput", window_s=w)
+    tp = src.result(rid, RunAnalysis.capacity_throughput, window_s=w)
     if len(tp) == 0:
         return notice("This run has no requests with an arrival time: no time series to draw.")
-    lat = src.capacity(rid, "load_latency", window_s=w)
+    lat = src.result(rid, RunAnalysis.capacity_load_latency, window_s=w)
     queue = None
     if src.info(rid).tables.get(STEPS.name, 0):
-        timeline = src.result(rid, "queues", bucket_s=float(w)).timeline
+        timeline = src.result(rid, RunAnalysis.queues, bucket_s=float(w)).timeline
         queue = timeline.groupby("t_s", as_index=False)[col.NUM_WAITING].sum() if len(timeline) else None
     return graph(over_time_figure(tp, lat, queue, targets, w), "capacity-over-time")
 
@@ -149,7 +150,7 @@ def load_figure(frame: pd.DataFrame, x: str, metrics: list[tuple[str, str]], *, 
 
 def _load_curves(src: DataSource, rid: str, targets: dict[str, dict[str, float]]) -> list[Any]:
     w = series_window_s(src.info(rid).duration_ns)
-    lat = src.capacity(rid, "load_latency", window_s=w)
+    lat = src.result(rid, RunAnalysis.capacity_load_latency, window_s=w)
     ttft = [(f"ttft_{p}_ms", f"TTFT {p}") for p in ("p50", "p95", "p99")]
     itl = [(f"itl_{p}_ms", f"ITL {p}") for p in ("p50", "p95", "p99")]
     charts = []
@@ -170,8 +171,8 @@ def _runs_curve(src: DataSource, rid: str) -> Any:
     rows = []
     for info in infos:
         try:
-            offered = src.capacity(info.run_id, "offered_load").iloc[0]["offered_rps"]  # not the whole load analysis
-            pct = src.capacity(info.run_id, "percentiles").set_index("metric")
+            offered = src.result(info.run_id, RunAnalysis.capacity_offered_load).iloc[0]["offered_rps"]  # not the whole load analysis
+            pct = src.result(info.run_id, RunAnalysis.capacity_percentiles).set_index("metric")
         except (ValueError, KeyError):
             continue
         row = {"run": info.run_id, "offered_rps": offered, "shown": info.run_id == rid}
@@ -224,7 +225,7 @@ def cdf_figure(frame: pd.DataFrame, metrics: tuple[str, ...], title: str) -> go.
 
 
 def _cdfs(src: DataSource, rid: str, targets: dict[str, dict[str, float]]) -> list[Any]:
-    frame = src.capacity(rid, "cdf")
+    frame = src.result(rid, RunAnalysis.capacity_cdf)
     charts = []
     for metrics, title, slo_metric, graph_id in ((("ttft", "e2e"), "TTFT and end-to-end latency", "ttft", "long"),
                                                 (("itl", "tpot"), "ITL and TPOT", "itl", "short")):
@@ -239,8 +240,8 @@ def _cdfs(src: DataSource, rid: str, targets: dict[str, dict[str, float]]) -> li
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """The capacity view of run ``q.run``."""
     rid = src.resolve(q.run)
-    targets = slo_targets(src.capacity(rid, "slo_targets"))  # the targets only: no request judged
-    prompt = src.capacity(rid, "ttft_by_prompt")
+    targets = slo_targets(src.result(rid, RunAnalysis.capacity_slo_targets))  # the targets only: no request judged
+    prompt = src.result(rid, RunAnalysis.capacity_ttft_by_prompt)
     prompt_part = graph_or_notice(prompt, "capacity-prompt", lambda f: add_slo_lines(prompt_figure(f), targets, "ttft"),
                                   "No request has both a prompt length and a first token in this run.")
     return [explained("Throughput and percentiles", EXPLAIN["capacity_throughput"], *_summary(src, rid)),

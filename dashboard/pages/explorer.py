@@ -1,11 +1,14 @@
-"""Request explorer: the chosen request's waterfall beside a server-side paged, sortable, filterable table.
+"""Request explorer: the chosen request's waterfall and its causes beside a server-side paged, sortable, filterable
+table.
 
 The waterfall is there at once: without a chosen request it shows the first row of
-the table (the slowest request of the page). A click on a row puts its id into the
+the table (the request of the page with the slowest first token: the table sorts by TTFT). A click on a row puts its id into the
 URL (``request``) and the page re-renders with that request's waterfall; the zoom
 picker puts a token index into the URL (``token``) and the waterfall's time axis
-closes in on that token's interval. Request ids (63-bit integers) travel as
-strings and are never shown: a request is named by its own key.
+closes in on that token's interval. Beside the waterfall, the request's
+diagnosis: which targets it missed and the causes of its time over target, with
+their evidence and fixes (the words of ``tokentrace why``). Request ids (63-bit
+integers) travel as strings and are never shown: a request is named by its own key.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import pandas as pd
 from dash import Input, Output, State, dash_table, html
 from dash.dash_table.Format import Format, Group, Scheme
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import choice, new_search, run_picker
 from dashboard.components.explanations import EXPLAIN
-from dashboard.components.figures import explained, fmt, graph
+from dashboard.components.figures import explained, fmt, graph, shown_label
 from dashboard.components.shell import ViewQuery, guarded, live_callback, notice, page, parse_query, source
 from dashboard.components.waterfall import request_name, token_intervals_ms, waterfall_figure
 from dashboard.data import MAX_LISTED_REQUESTS, DataSource
-from tokentrace.report.render_names import column_label
+from tokentrace.app.report.diagnosis import request_story
+from tokentrace.app.report.render_names import column_label
 from tokentrace.schema import col
 
 PATH = "/explorer"
@@ -33,7 +38,7 @@ PAGE_SIZE = 20  # rows per page of the request table
 TABLE_ID = "explorer-table"
 COLUMNS = (col.REQUEST_KEY, col.TENANT, col.SLO_CLASS, "ttft_ms", "tpot_ms", "e2e_ms", col.NUM_OUTPUT_TOKENS)
 """Shown columns; each row also carries its request id (as a string) for the selection, not shown."""
-_DEFAULT_SORT = "e2e_ms"
+_DEFAULT_SORT = "ttft_ms"  # slowest first by time to first token: what a user waits on before any text
 _MS = Format(group=Group.yes, precision=1, scheme=Scheme.fixed)
 
 
@@ -48,6 +53,9 @@ def table_rows(rows: pd.DataFrame) -> list[dict[str, Any]]:
     for c in (col.TENANT, col.SLO_CLASS):
         if c in shown:
             shown[c] = shown[c].fillna("").replace({"": "(none)"})
+    for c in (col.REQUEST_KEY, col.TENANT, col.SLO_CLASS):
+        if c in shown:
+            shown[c] = shown[c].map(lambda v: v if v is None else shown_label(v))
     return shown.astype(object).where(shown.notna(), None).to_dict("records")
 
 
@@ -86,6 +94,9 @@ def _table(q: ViewQuery, data: list[dict[str, Any]], pages: int, chosen: str) ->
         sort_action="custom", sort_mode="single",
         sort_by=[{"column_id": sort, "direction": "desc" if desc else "asc"}],
         style_table={"overflowX": "auto"}, style_cell={"fontSize": "13px", "padding": "4px 6px", "cursor": "pointer"},
+        # a long request key is cut (with an ellipsis; the waterfall's title names it whole), never the E2E column
+        style_cell_conditional=[{"if": {"column_id": col.REQUEST_KEY}, "maxWidth": "12em", "overflow": "hidden",
+                                 "textOverflow": "ellipsis"}],
         style_header={"fontWeight": "bold"},
         style_data_conditional=[{"if": {"row_index": i}, "backgroundColor": "#dbe7fd", "fontWeight": "bold"}
                                 for i in selected])
@@ -109,7 +120,8 @@ def _waterfall(src: DataSource, q: ViewQuery, chosen: str, row: dict[str, Any] |
                        f"token(s).", kind="error")]
     facts = []
     if row is not None:
-        facts = [f"tenant {row.get(col.TENANT) or '(none)'}", f"class {row.get(col.SLO_CLASS) or '(none)'}",
+        facts = [f"tenant {shown_label(row.get(col.TENANT) or '(none)')}",
+                 f"class {shown_label(row.get(col.SLO_CLASS) or '(none)')}",
                  f"TTFT {fmt(row.get('ttft_ms'), 'ms', 1)}", f"end-to-end {fmt(row.get('e2e_ms'), 'ms', 1)}",
                  f"{fmt(row.get(col.NUM_OUTPUT_TOKENS))} output tokens"]
     zoomed = "" if focus is None else f", zoomed to token {focus}"
@@ -117,8 +129,25 @@ def _waterfall(src: DataSource, q: ViewQuery, chosen: str, row: dict[str, Any] |
     fig = waterfall_figure(trace, title="", focus_token=focus)
     return [html.Div([html.H3(f"Request {request_name(trace)}", className="tt-detail-title"),
                       html.P(" · ".join(facts), className="tt-explain", id="explorer-facts")]),
+            _why(src, q, chosen),
             html.Div([_zoom_picker(q, intervals)], className="tt-controls"),
             graph(fig, "explorer-waterfall")]
+
+
+def _why(src: DataSource, q: ViewQuery, chosen: str) -> Any:
+    """The chosen request's diagnosis: what it missed and each cause, largest first, with its fix."""
+    d = src.result(q.run, RunAnalysis.diagnosis)
+    rid = int(chosen)
+    mine = d.requests[d.requests[col.REQUEST_ID] == rid]
+    if not len(mine):
+        return html.P("It met its SLO targets (TTFT, TPOT and ITL on every token gap): nothing to explain.",
+                      className="tt-explain", id="explorer-why")
+    causes = d.causes[d.causes[col.REQUEST_ID] == rid]
+    items = [html.Li(f"{c.cause}{' (' + c.stage + ')' if c.stage else ''}: {c.ms:,.1f} ms, {c.share * 100:.0f}% of "
+                     f"the time over target" + (f"; fix: {c.fix}" if c.fix else ""))
+             for c in causes.sort_values("rank").itertuples(index=False)]
+    return html.Div([html.P(request_story(mine.iloc[0], causes), className="tt-verdict tt-saturated"),
+                     html.Ol(items)], id="explorer-why")
 
 
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
@@ -135,7 +164,7 @@ def body(src: DataSource, q: ViewQuery) -> list[Any]:
 
 def controls(src: DataSource, q: ViewQuery) -> list[Any]:
     choices = src.request_choices(src.resolve(q.run))
-    opts = {c: [{"label": v or "(none)", "value": v} for v in vals if v] for c, vals in choices.items()}
+    opts = {c: [{"label": shown_label(v), "value": v} for v in vals if v] for c, vals in choices.items()}
     return [run_picker(src, q.run), choice("tenant", "Tenant", opts[col.TENANT], q.tenant or None),
             choice("slo", "SLO class", opts[col.SLO_CLASS], q.slo or None)]
 

@@ -1,5 +1,6 @@
-"""Overview: whether the run was saturated (offered against served load, and which pool), the instance advice,
-headline latency percentiles, SLO attainment, goodput, and latency over time."""
+"""Overview: whether the run met its SLO targets and why not (the causes ranked by the share of the missed time
+they explain, with their fixes), then whether it was saturated (offered against served load, and which pool), the
+instance advice, headline latency percentiles, SLO attainment, goodput, and latency over time."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from typing import Any
 import dash
 import pandas as pd
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import grouping_picker, run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, explained, fmt, graph_or_notice, kpis, lines
 from dashboard.components.shell import GROUP_COLUMN, GROUPINGS, ViewQuery, live_callback, notice, page
 from dashboard.components.slo_lines import add_slo_lines, slo_targets
 from dashboard.data import DataSource, series_window_s
-from tokentrace.report.headline import advice_sentence, load_sentence
+from tokentrace.app.report.diagnosis import cause_lines, slo_verdict
+from tokentrace.app.report.headline import advice_sentence, load_sentence
 from tokentrace.schema import STEPS, col
 from tokentrace.store.manifest import DROPPED, SAMPLED_OUT
 
@@ -36,9 +39,9 @@ def _all_row(frame: pd.DataFrame, column: str) -> Any:
 
 
 def _headline(src: DataSource, rid: str) -> list[Any]:
-    lat = src.result(rid, "latency")
-    slo = src.result(rid, "slo")
-    good = src.result(rid, "goodput")
+    lat = src.result(rid, RunAnalysis.latency)
+    slo = src.result(rid, RunAnalysis.slo)
+    good = src.result(rid, RunAnalysis.goodput)
     cards = []
     for metric, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "E2E")):
         cards.append((f"{label} p50", fmt(_pct(lat, metric, "p50_ms"), "ms")))
@@ -56,12 +59,32 @@ def _measured(value: Any, unit: str, digits: int = 1) -> str:
     return fmt(value, unit, digits)
 
 
+_WHY_EXPLAIN = ("Whether every served request met its SLO class's targets (TTFT, TPOT, and ITL on every token gap), "
+                "and for those that missed, the causes of their time over target found in the trace by documented "
+                "rules (docs/diagnosis.md), ranked by the share of all the missed time each explains, with the "
+                "setting that changes it. `tokentrace why` tells each request's story.")
+
+
+def _why(src: DataSource, rid: str) -> list[Any]:
+    """The SLO verdict (the report's first line) and the causes of the missed time, with their fixes."""
+    d = src.result(rid, RunAnalysis.diagnosis)
+    kind = "tt-saturated" if d.num_missed else "tt-not-saturated" if d.num_judged else "tt-unjudged"
+    parts: list[Any] = [dash.html.P(slo_verdict(d), id="overview-slo-verdict", className=f"tt-verdict {kind}")]
+    lines = cause_lines(d)
+    if lines:
+        parts.append(dash.html.Ul([dash.html.Li(line) for line in lines], id="overview-causes"))
+    return [explained("Targets and why they were missed", _WHY_EXPLAIN, *parts)]
+
+
 def _load(src: DataSource, rid: str) -> list[Any]:
-    """The saturation verdict (the report's first line), offered and served load, and the instance advice."""
-    report = src.result(rid, "load")
+    """The saturation verdict, offered and served load, and the instance advice (never an all-clear while a target
+    is missed)."""
+    report = src.result(rid, RunAnalysis.load)
     row = report.row
     saturated = row.get("saturated")
-    kind = "tt-saturated" if saturated is True else "tt-not-saturated" if saturated is False else "tt-unjudged"
+    missed = bool(src.result(rid, RunAnalysis.diagnosis).num_missed)
+    kind = ("tt-saturated" if saturated is True else "tt-not-saturated" if saturated is False and not missed
+            else "tt-unjudged")
     verdict = dash.html.P(load_sentence(row, report.pools, report.stages), id="overview-load-verdict",
                           className=f"tt-verdict {kind}")
     cards = kpis([("offered load (arrival window)", fmt(row.get("offered_rps"), "req/s", 2)),
@@ -70,8 +93,8 @@ def _load(src: DataSource, rid: str) -> list[Any]:
                   ("pool that saturates", row.get("saturated_pool") or "—")], kpi_id="overview-load")
     parts: list[Any] = [verdict, cards]
     if src.info(rid).tables.get(STEPS.name, 0):
-        pd_report = src.result(rid, "pd_ratio")
-        parts.append(dash.html.P(advice_sentence(pd_report.recommendation, pd_report.demand),
+        pd_report = src.result(rid, RunAnalysis.pd_ratio)
+        parts.append(dash.html.P(advice_sentence(pd_report.recommendation, pd_report.demand, slo_missed=missed),
                                  id="overview-advice", className="tt-explain"))
     return [explained("Load", EXPLAIN["load"], *parts)]
 
@@ -87,8 +110,8 @@ def _counters(src: DataSource, rid: str) -> list[Any]:
 
 def _series(src: DataSource, rid: str) -> list[Any]:
     w = series_window_s(src.info(rid).duration_ns)
-    frame = src.result(rid, "latency", window_s=w)
-    targets = slo_targets(src.result(rid, "slo"))
+    frame = src.result(rid, RunAnalysis.latency, window_s=w)
+    targets = slo_targets(src.result(rid, RunAnalysis.slo))
     graphs = []
     for metric, label in _SERIES:
         rows = frame[frame["metric"] == metric] if len(frame) else frame
@@ -108,8 +131,8 @@ def html_row(children: list[Any]) -> Any:
 
 
 def _slo(src: DataSource, rid: str) -> list[Any]:
-    slo = src.result(rid, "slo")
-    good = src.result(rid, "goodput")
+    slo = src.result(rid, RunAnalysis.slo)
+    good = src.result(rid, RunAnalysis.goodput)
     slo, good = _all_label(slo), _all_label(good)
     return [explained("SLO attainment and goodput", EXPLAIN["slo"] + " " + EXPLAIN["goodput"], html_row([
         graph_or_notice(slo, "overview-slo", lambda f: bars(
@@ -129,7 +152,7 @@ def _all_label(frame: pd.DataFrame) -> pd.DataFrame:
 def _grouped(src: DataSource, rid: str, by: str) -> list[Any]:
     if not by:
         return []
-    frame = src.result(rid, "latency", by=by)
+    frame = src.result(rid, RunAnalysis.latency, by=by)
     group = GROUP_COLUMN[by]
     names = src.instance_names(rid) if group == col.INSTANCE_ID else None
     graphs = []
@@ -144,7 +167,7 @@ def _grouped(src: DataSource, rid: str, by: str) -> list[Any]:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """The overview of run ``q.run``."""
     rid = src.resolve(q.run)
-    return (_load(src, rid) + _headline(src, rid) + _counters(src, rid) + _series(src, rid) + _slo(src, rid)
+    return (_why(src, rid) + _load(src, rid) + _headline(src, rid) + _counters(src, rid) + _series(src, rid) + _slo(src, rid)
             + _grouped(src, rid, q.by))
 
 

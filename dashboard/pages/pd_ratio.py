@@ -7,12 +7,13 @@ from typing import Any
 
 import dash
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, bars_row, explained, fmt, graph_or_notice, kpis, table
 from dashboard.components.shell import ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource
-from tokentrace.report.headline import advice_sentence
+from tokentrace.app.report.headline import advice_sentence
 from tokentrace.schema import col
 
 PATH = "/pd-ratio"
@@ -47,7 +48,7 @@ def _advice(rec: Any, demand: Any, kv: Any) -> list[Any]:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Prefill:decode analyses of run ``q.run``."""
     rid = src.resolve(q.run)
-    rep = src.result(rid, "pd_ratio")
+    rep = src.result(rid, RunAnalysis.pd_ratio)
     names = src.instance_names(rid)
     util = graph_or_notice(rep.utilisation, "pd-utilisation", lambda f: bars(
         f, col.INSTANCE_ID, ["prefill_utilisation", "decode_utilisation"], instance_names=names,

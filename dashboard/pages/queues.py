@@ -6,6 +6,7 @@ from typing import Any
 
 import dash
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, explained, graph_or_notice, lines, table
@@ -20,12 +21,12 @@ dash.register_page(__name__, path=PATH, name="Queues", title="tokentrace · queu
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Queue analyses of run ``q.run``."""
     rid = src.resolve(q.run)
-    report = src.result(rid, "queues")
+    report = src.result(rid, RunAnalysis.queues)
     names = src.instance_names(rid)
     timeline = graph_or_notice(report.timeline, "queues-timeline", lambda f: lines(
         f, "t_s", [col.NUM_WAITING, col.NUM_RUNNING, col.NUM_PREEMPTED], group=col.INSTANCE_ID,
         instance_names=names, title="Requests waiting, running and preempted, per engine instance",
-        xaxis="s since the run started", yaxis="requests (mean per second)"),
+        xaxis="s since the run started", yaxis="requests (mean over the steps of each second)"),
         "This run has no engine steps, so no queue lengths.")
     delay = graph_or_notice(report.delay, "queues-delay", lambda f: bars(
         f, col.SLO_CLASS, ["p50_ms", "p90_ms", "p99_ms", "max_ms"], title="Queueing delay by SLO class",

@@ -8,12 +8,13 @@ from typing import Any
 import dash
 from dash import html
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import bars, explained, graph_or_notice, table
 from dashboard.components.shell import ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource
-from tokentrace.report.sessions import NO_SESSIONS, session_sentences
+from tokentrace.app.report.sessions import NO_SESSIONS, session_sentences
 from tokentrace.schema import col
 
 PATH = "/sessions"
@@ -34,7 +35,7 @@ MAX_LISTED_TURN_SESSIONS = 200  # the turn table lists the turns of this many of
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Session analyses of run ``q.run``."""
     rid = src.resolve(q.run)
-    rep = src.result(rid, "sessions")
+    rep = src.result(rid, RunAnalysis.sessions)
     if rep.empty:
         return [notice(NO_SESSIONS)]
     sentences = html.Div([html.P(s) for s in session_sentences(rep)], id="sessions-sentences",

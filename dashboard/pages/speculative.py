@@ -9,13 +9,14 @@ import dash
 import plotly.graph_objects as go
 from dash import html
 
+from analyzers.analysis import RunAnalysis
 from dashboard.components.controls import run_picker
 from dashboard.components.explanations import EXPLAIN
 from dashboard.components.figures import LAYOUT, explained, fmt, graph, kpis, table
 from dashboard.components.shell import ViewQuery, live_callback, notice, page
 from dashboard.data import DataSource
-from tokentrace.report import speculative_charts as charts
-from tokentrace.report.speculative import NO_SPECULATION, speculation_sentences
+from tokentrace.app.report import speculative_charts as charts
+from tokentrace.app.report.speculative import NO_SPECULATION, speculation_sentences
 from tokentrace.schema import col
 
 PATH = "/speculative"
@@ -71,7 +72,7 @@ def _itl_parts(rep: Any) -> list[Any]:
 def body(src: DataSource, q: ViewQuery) -> list[Any]:
     """Speculative-decoding analyses of run ``q.run``."""
     rid = src.resolve(q.run)
-    rep = src.result(rid, "speculation")
+    rep = src.result(rid, RunAnalysis.speculation)
     if rep.is_empty:
         return [notice(NO_SPECULATION)]
     sentences = html.Div([html.P(s) for s in speculation_sentences(rep)], id="spec-sentences",

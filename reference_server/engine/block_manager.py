@@ -11,10 +11,15 @@ holds running requests' blocks, shared by reference count when their prefixes ag
 prefix stays cached until the eviction policy reuses it; the offload policy may first
 copy it one tier down (keeping its key) so a later request loads it instead of
 recomputing. Lower tiers also hold swapped-out requests. Engine thread only.
+
+The keys of blocks evicted from every tier are remembered (the most recent
+``EVICTED_KEYS_PER_BLOCK`` x the tiers' blocks), so a lookup can tell a prefix the
+cache once held and lost from one it never saw (``PrefixMatch.num_evicted_blocks``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["BlockManager", "BlockUsage", "CopyOp", "KVBlocks"]
 
 TRANSFER_KINDS = ("load", "swap_out", "swap_in", "offload", "prefetch")
+EVICTED_KEYS_PER_BLOCK = 8  # evicted keys remembered: 8x the blocks of all tiers (a key is 8 bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,8 @@ class BlockManager:
         self._swapped: dict[str, tuple[int, list[int]]] = {}  # request id -> (tier, block ids)
         self._ops: list[CopyOp] = []
         self._evictions: list[tuple[int, int | None]] = []  # (tier, dst_tier) per reused cached block
+        self._evicted_keys: OrderedDict[int, None] = OrderedDict()  # keys evicted from every tier, oldest first
+        self._max_evicted_keys = EVICTED_KEYS_PER_BLOCK * sum(sizes)
         # Counters (monotonic, never reset): tokens looked up / found in the prefix cache,
         # hit blocks per tier, blocks moved per transfer kind.
         self.num_prefix_query_tokens = 0
@@ -167,9 +175,10 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Leading full blocks of ``seq`` found in any tier (device preferred). At least
-        one token is always left to compute, since its logits give the next token.
-        No side effects besides extending ``seq.block_hashes``."""
+        """Leading full blocks of ``seq`` found in any tier (device preferred), and how many
+        blocks right after them the cache held once and evicted. At least one token is always
+        left to compute, since its logits give the next token. No side effects besides
+        extending ``seq.block_hashes``."""
         if not self.enable_prefix_caching:
             return PrefixMatch((), self.block_size)
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size)
@@ -183,7 +192,12 @@ class BlockManager:
                     break
             else:
                 break
-        return PrefixMatch(tuple(hits), self.block_size)
+        num_evicted = 0
+        for block_hash in seq.block_hashes[len(hits):max_blocks]:
+            if block_hash not in self._evicted_keys:
+                break  # chained keys: a block never seen ends the prefix the cache could have held
+            num_evicted += 1
+        return PrefixMatch(tuple(hits), self.block_size, num_evicted)
 
     def commit(self, seq: Sequence) -> None:
         """Key the blocks that became full of computed tokens, so later requests share them."""
@@ -314,8 +328,14 @@ class BlockManager:
 
     def forget_cached(self, block_ids: Iterable[int]) -> int:
         """Drop the keys of those device blocks that are cached and free. Returns how many."""
-        device = self.pools[DEVICE]
-        return sum(1 for block_id in block_ids if device.forget(block_id))
+        device, num = self.pools[DEVICE], 0
+        for block_id in block_ids:
+            key = device.blocks[block_id].block_hash
+            if device.forget(block_id):
+                num += 1
+                if not any(pool.lookup(key) is not None for pool in self.pools[1:]):
+                    self._forget_key(key)  # type: ignore[arg-type]  # forget() succeeds only on a keyed block
+        return num
 
     # ------------------------------------------------------------------ swap, prefetch
 
@@ -409,7 +429,16 @@ class BlockManager:
                 lower.release(dst)
                 offloaded_to = dst_tier
         self._evictions.append((tier, offloaded_to))
+        if offloaded_to is None:
+            self._forget_key(evicted)
         return block_id
+
+    def _forget_key(self, key: int) -> None:
+        """Remember that the cache lost the prefix ``key`` names (bounded: the oldest keys go first)."""
+        self._evicted_keys[key] = None
+        self._evicted_keys.move_to_end(key)
+        if len(self._evicted_keys) > self._max_evicted_keys:
+            self._evicted_keys.popitem(last=False)
 
 
 def _coalesce(ops: list[CopyOp]) -> tuple[CopyOp, ...]:

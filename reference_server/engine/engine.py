@@ -25,6 +25,7 @@ from reference_server.engine.cache_policies import (
 from reference_server.engine.config import EngineConfig
 from reference_server.engine.hooks import (
     BatchEntry,
+    EngineObserverProtocol,
     RequestAborted,
     RequestAdded,
     RequestFinished,
@@ -37,6 +38,7 @@ from reference_server.engine.hooks import (
     TierTransfer,
     TokenEmitted,
 )
+from reference_server.engine.observers import ObserverFanOut
 from reference_server.engine.outputs import Completion, EngineStats, RequestOutput
 from reference_server.engine.retention import SessionRetention
 from reference_server.engine.scheduler import Scheduler, SchedulerOutput
@@ -104,33 +106,24 @@ class Engine:
                 draft_model=config.speculative_draft_model, exit_layer=config.speculative_exit_layer,
                 ngram_min=config.speculative_ngram_min,
                 seed=config.seed + 1)
-        self._observers: list[Any] = []
+        self._observers = ObserverFanOut()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_steps = 0
         self.num_scheduled_tokens_last_step = 0  # 0 = the last step ran nothing (e.g. quotas)
         self._next_seq_no = 0
         self._next_offline_id = 0
         self._counters = dict.fromkeys(
-            ("finished", "aborted", "prompt_tokens", "generated", "observer_errors"), 0)
+            ("finished", "aborted", "prompt_tokens", "generated"), 0)
 
     # ------------------------------------------------------------------ observers
 
-    def add_observer(self, observer: Any) -> None:
+    def add_observer(self, observer: EngineObserverProtocol) -> None:
         """Attach an :class:`~reference_server.engine.hooks.EngineObserver`. Engine thread."""
-        self._observers = [*self._observers, observer]
+        self._observers.add(observer)
 
-    def remove_observer(self, observer: Any) -> None:
+    def remove_observer(self, observer: EngineObserverProtocol) -> None:
         """Detach an observer; ``ValueError`` if it is not attached."""
-        if observer not in self._observers:
-            raise ValueError("observer is not attached")
-        self._observers = [o for o in self._observers if o is not observer]
-
-    def _emit(self, method: str, event: Any) -> None:
-        for observer in self._observers:
-            try:
-                getattr(observer, method)(event)
-            except Exception:  # an observer must never break the engine; counted instead
-                self._counters["observer_errors"] += 1
+        self._observers.remove(observer)
 
     # ------------------------------------------------------------------ requests
 
@@ -193,10 +186,10 @@ class Engine:
         self.scheduler.add(seq)
         if self._observers:
             now = time.monotonic_ns()
-            self._emit("on_request_added", RequestAdded(
+            self._observers.on_request_added(RequestAdded(
                 seq.request_id, seq.tenant, seq.slo_class.name, seq.arrival_ns, now, seq.num_prompt_tokens,
                 seq.session))
-            self._emit("on_request_queued", RequestQueued(seq.request_id, now, self.scheduler.num_waiting))
+            self._observers.on_request_queued(RequestQueued(seq.request_id, now, self.scheduler.num_waiting))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is, freeing its blocks in every tier. False if it
@@ -207,7 +200,7 @@ class Engine:
         self._detok.pop(request_id, None)
         self._counters["aborted"] += 1
         if self._observers:
-            self._emit("on_request_aborted", RequestAborted(request_id, seq.num_output_tokens, time.monotonic_ns()))
+            self._observers.on_request_aborted(RequestAborted(request_id, seq.num_output_tokens, time.monotonic_ns()))
         return True
 
     def release_transferred(self, request_id: str, reason: str) -> Sequence:
@@ -221,7 +214,7 @@ class Engine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._detok.pop(request_id, None)
         if self._observers:
-            self._emit("on_request_finished", RequestFinished(
+            self._observers.on_request_finished(RequestFinished(
                 request_id, self._num_steps, reason, seq.num_output_tokens, seq.num_cached_tokens,
                 time.monotonic_ns()))
         return seq
@@ -241,7 +234,7 @@ class Engine:
         the config). Returns the mode used; ``ValueError`` if it is not running."""
         used = self.scheduler.preempt(request_id, None if mode is None else PreemptionMode(mode))
         if self._observers:
-            self._emit("on_request_preempted", RequestPreempted(
+            self._observers.on_request_preempted(RequestPreempted(
                 request_id, self._num_steps, used.value, time.monotonic_ns()))
         return used.value
 
@@ -257,7 +250,7 @@ class Engine:
         step, observed = self._num_steps, bool(self._observers)
         start_ns = time.monotonic_ns()  # engine monotonic clock, ns
         if observed:
-            self._emit("on_step_start", StepStart(step, start_ns))
+            self._observers.on_step_start(StepStart(step, start_ns))
         plan = self.scheduler.schedule(start_ns, step=step)
         self.num_scheduled_tokens_last_step = sum(c.num_tokens for c in plan.chunks)
         if observed:
@@ -273,17 +266,17 @@ class Engine:
         self.scheduler.update(plan, sampled, compute_ns=compute_end_ns - compute_start_ns)
         if spec and observed:
             for req in spec.values():
-                self._emit("on_speculative_step", SpeculativeStep(
+                self._observers.on_speculative_step(SpeculativeStep(
                     req.seq.request_id, step, self.config.speculative or "", len(req.proposals), req.num_accepted,
                     req.first_token_index, draft_start_ns, compute_start_ns, compute_start_ns, compute_end_ns,
                     len(plan.chunks), len(spec)))
         outputs = self._process_samples(plan, step, compute_end_ns, spec)
         for retention_event in self.scheduler.retention.take_events():  # drained even when nobody listens
             if observed:
-                self._emit("on_retention", retention_event)
+                self._observers.on_retention(retention_event)
         if observed:
             usage = self.block_manager.usage()
-            self._emit("on_step_end", StepEnd(
+            self._observers.on_step_end(StepEnd(
                 step, start_ns, compute_start_ns, compute_end_ns, time.monotonic_ns(),
                 tuple(BatchEntry(c.request_id, c.num_tokens if c.is_prefill else 0,
                                  0 if c.is_prefill else c.num_tokens + len(spec[c.request_id].proposals)
@@ -295,16 +288,16 @@ class Engine:
         """Hand the plan's own events (made by the scheduler) to observers, then one
         ``RequestScheduled`` per chunk."""
         for preempted in plan.preempted:
-            self._emit("on_request_preempted", preempted)
+            self._observers.on_request_preempted(preempted)
         for resumed in plan.resumed:
-            self._emit("on_request_resumed", resumed)
+            self._observers.on_request_resumed(resumed)
         for lookup in plan.cache_lookups:
-            self._emit("on_cache_lookup", lookup)
+            self._observers.on_cache_lookup(lookup)
         for evicted in plan.evictions:
-            self._emit("on_evicted", evicted)
+            self._observers.on_evicted(evicted)
         now = time.monotonic_ns()
         for c in plan.chunks:
-            self._emit("on_request_scheduled", RequestScheduled(
+            self._observers.on_request_scheduled(RequestScheduled(
                 c.request_id, step, now, c.start_pos, c.num_tokens, c.is_prefill))
 
     def _execute_copies(self, plan: SchedulerOutput, step: int) -> None:
@@ -314,7 +307,7 @@ class Engine:
                 continue
             start_ns = time.monotonic_ns()
             num_bytes = self.runner.copy_blocks(op.src_tier, op.src_ids, op.dst_tier, op.dst_ids)
-            self._emit("on_tier_transfer", TierTransfer(
+            self._observers.on_tier_transfer(TierTransfer(
                 op.kind, op.request_id, step, op.src_tier, op.dst_tier, op.num_blocks, num_bytes,
                 start_ns, time.monotonic_ns()))
 
@@ -402,14 +395,14 @@ class Engine:
         index = seq.num_output_tokens - 1
         emit_ns = time.monotonic_ns()  # engine monotonic clock: the token is handed out
         if self._observers:
-            self._emit("on_token_emitted", TokenEmitted(
+            self._observers.on_token_emitted(TokenEmitted(
                 seq.request_id, step, index, token, text, sampled_ns, emit_ns))
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._detok[seq.request_id]
             self._counters["finished"] += 1
             if self._observers:
-                self._emit("on_request_finished", RequestFinished(
+                self._observers.on_request_finished(RequestFinished(
                     seq.request_id, step, reason.value, seq.num_output_tokens, seq.num_cached_tokens,
                     time.monotonic_ns()))
         return RequestOutput(
@@ -461,7 +454,7 @@ class Engine:
             num_preemptions_swap=sch.num_preemptions[PreemptionMode.SWAP],
             num_requests_finished=c["finished"], num_requests_aborted=c["aborted"],
             num_prompt_tokens_computed=c["prompt_tokens"], num_generated_tokens=c["generated"],
-            num_observer_errors=c["observer_errors"])
+            num_observer_errors=self._observers.num_errors)
 
     def close(self) -> None:
         """Release the model's KV tiers (and disk files)."""

@@ -50,7 +50,9 @@ class RequestQueued:
     num_waiting: int  # queue length including this request
 
 
-@dataclass(frozen=True, slots=True)
+# Built for every token when an observer listens: a plain slotted class, not frozen (a frozen one's
+# __init__ sets each field through object.__setattr__, about 1 us more per event). Observers must not change it.
+@dataclass(slots=True)
 class RequestScheduled:
     """The request gets ``num_tokens`` tokens computed in ``step``: a prefill chunk
     starting at ``start_pos`` or (``is_prefill`` False) one decode token."""
@@ -66,7 +68,8 @@ class RequestScheduled:
 @dataclass(frozen=True, slots=True)
 class CacheLookup:
     """Prefix-cache lookup made at admission: ``num_hit_tokens`` of ``num_query_tokens``
-    found; ``hit_blocks_per_tier`` = (device, host, disk) blocks."""
+    found; ``hit_blocks_per_tier`` = (device, host, disk) blocks; ``num_evicted_blocks``
+    (``num_evicted_tokens``) right after the hit, the cache held once and evicted."""
 
     request_id: str
     step: int
@@ -75,6 +78,8 @@ class CacheLookup:
     num_query_tokens: int
     num_hit_tokens: int
     hit_blocks_per_tier: tuple[int, int, int]
+    num_evicted_blocks: int = 0
+    num_evicted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +135,9 @@ class StepStart:
     start_ns: int
 
 
-@dataclass(frozen=True, slots=True)
+# Built for every token when an observer listens: a plain slotted class, not frozen (a frozen one's
+# __init__ sets each field through object.__setattr__, about 1 us more per event). Observers must not change it.
+@dataclass(slots=True)
 class BatchEntry:
     request_id: str
     num_prefill_tokens: int
@@ -165,7 +172,9 @@ class StepEnd:
         return sum(e.num_decode_tokens for e in self.batch)
 
 
-@dataclass(frozen=True, slots=True)
+# Built for every token when an observer listens: a plain slotted class, not frozen (a frozen one's
+# __init__ sets each field through object.__setattr__, about 1 us more per event). Observers must not change it.
+@dataclass(slots=True)
 class TokenEmitted:
     """Output token ``index`` (0-based) of a request. ``sampled_ns``: its id was known;
     ``emit_ns``: after detokenization, when the engine hands it out."""

@@ -37,15 +37,22 @@ class PrefixMatch:
     """Result of a prefix lookup: where each leading full block of the prompt was found.
 
     ``hits[i]`` is ``(tier, block_id)`` for block ``i`` (tier 0 device, 1 host, 2 disk);
-    the match stops at the first block found in no tier.
+    the match stops at the first block found in no tier. ``num_evicted_blocks``: the
+    leading blocks right after the hits that the cache held once (an earlier request
+    computed them) and has since evicted from every tier: the request computes them again.
     """
 
     hits: tuple[tuple[int, int], ...]
     block_size: int
+    num_evicted_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.hits) * self.block_size
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        return self.num_evicted_blocks * self.block_size
 
     @property
     def num_blocks_per_tier(self) -> tuple[int, int, int]:

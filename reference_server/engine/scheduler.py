@@ -293,7 +293,7 @@ class Scheduler:
                 break
             plan.lookups.append(CacheLookup(
                 seq.request_id, plan.step, start_ns, time.monotonic_ns(), seq.num_tokens, match.num_tokens,
-                match.num_blocks_per_tier,
+                match.num_blocks_per_tier, match.num_evicted_blocks, match.num_evicted_tokens,
             ))
             is_new = seq.status is SequenceStatus.WAITING
             if is_new:

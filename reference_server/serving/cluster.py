@@ -15,8 +15,13 @@ recomputes prompt + delivered tokens and samples the next one, so greedy and see
 output is identical): a request with no token yet goes to the full path again; one with tokens
 goes to a colocated worker, or in disagg mode to a decode worker. A request whose prefill
 worker died after its KV reached the decode worker is not affected. When no worker of
-the needed role is left, the stream ends with :class:`BackendUnavailable`.
-``restart_worker(name)`` brings a dead worker back. All methods run on the event loop.
+the needed role is left, the stream ends with :class:`BackendUnavailable`, whose message
+names the dead workers, why each died and whether it is being restarted.
+
+Restarts: with ``restart_dead_workers`` (the default) a worker that died is started again
+at once, then after 1, 2, 4 ... (at most 30) seconds while starting fails, until the
+backend stops; ``/health`` answers 503 meanwhile. ``restart_worker(name)`` brings a dead
+worker back by hand. All methods run on the event loop.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from reference_server.serving.backend import (
     TokenEvent,
     instance_stats_from_engine,
 )
-from reference_server.serving.cluster_worker import WorkerHandle
+from reference_server.serving.cluster_worker import WorkerHandle, WorkerStartError
 from reference_server.serving.config_codec import engine_config_to_json, sampling_to_dict
 from reference_server.serving.delays import DelayConfig
 from reference_server.serving.router import Candidate, Router
@@ -56,6 +61,7 @@ from reference_server.serving.worker_hooks import (
 __all__ = ["MODES", "ClusterBackend"]
 
 MODES = ("colocated", "disagg")
+_MAX_RESTART_WAIT_S = 30.0  # longest wait between two attempts to start a dead worker again
 _RELAYED_EVENTS = {"KVTransferStart": KVTransferStart, "KVTransferEnd": KVTransferEnd,
                    "WorkerRequestReceived": WorkerRequestReceived}
 
@@ -84,7 +90,8 @@ class ClusterBackend:
     def __init__(self, engine_config: EngineConfig, *, mode: str = "colocated", num_instances: int = 2,
                  num_prefill: int = 1, num_decode: int = 1, router: str = "prefix_aware",
                  delays: DelayConfig | str | None = None, kv_chunk_blocks: int = 16, host: str = "127.0.0.1",
-                 heartbeat_interval_s: float = 0.2, heartbeat_timeout_s: float = 2.0) -> None:
+                 heartbeat_interval_s: float = 0.2, heartbeat_timeout_s: float = 2.0,
+                 restart_dead_workers: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         counts = {"colocated": num_instances} if mode == "colocated" else {"prefill": num_prefill,
@@ -103,6 +110,10 @@ class ClusterBackend:
             for i in range(n):
                 self.workers[f"{role}-{i}"] = self._make_handle(f"{role}-{i}", role)
         self._by_wid: dict[str, _Inflight] = {}
+        self.restart_dead_workers = restart_dead_workers
+        self._restarts: dict[str, asyncio.Task] = {}  # worker name -> its restart in progress
+        self._stopping = False
+        self.num_restarts = 0  # counter: workers started again after dying
         self._observers = ObserverList()
         checkpoint = engine_config.checkpoint_path  # a bundled model by name, too
         self._tokenizer = load_tokenizer(checkpoint)
@@ -130,6 +141,11 @@ class ClusterBackend:
 
     async def stop(self) -> None:
         """Stop every worker process; open streams end with ``BackendUnavailable``."""
+        self._stopping = True
+        restarts = list(self._restarts.values())
+        for task in restarts:
+            task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         await asyncio.gather(*(h.stop() for h in self.workers.values()))
         for st in list(self._by_wid.values()):
             self._fail(st, BackendUnavailable("the backend stopped"))
@@ -142,6 +158,11 @@ class ClusterBackend:
             raise ValueError(f"no worker named {name!r}; workers: {', '.join(self.workers)}")
         if old.alive:
             raise ValueError(f"worker {name!r} is alive")
+        pending = self._restarts.get(name)
+        if pending is not None and pending is not asyncio.current_task():
+            del self._restarts[name]
+            pending.cancel()  # a start it had under way is killed by WorkerHandle.start
+            await asyncio.gather(pending, return_exceptions=True)
         handle = self._make_handle(name, old.role)
         await handle.start()
         self.workers[name] = handle
@@ -222,8 +243,15 @@ class ClusterBackend:
                 total = s.get("num_blocks_total", (1,))[0] if s else 1
                 out.append(Candidate(name, len(h.inflight), s.get("num_waiting", 0) if s else 0, used, total))
         if not out:
-            raise BackendUnavailable(f"no live {role} worker is left")
+            raise BackendUnavailable(f"no live {role} worker is left{self._why_none(role)}")
         return out
+
+    def _why_none(self, role: str) -> str:
+        """`` (colocated-0 died: heartbeat_timeout, restarting)``: why no worker of ``role`` serves."""
+        dead = [f"{name} died: {h.death_reason or 'not started'}"
+                f"{', restarting' if name in self._restarts else ''}"
+                for name, h in self.workers.items() if h.role == role and not h.alive]
+        return f" ({'; '.join(dead)})" if dead else ""
 
     def _dispatch(self, st: _Inflight, *, exclude: tuple[str, ...]) -> RouteDecision:
         """Send the request's next attempt (raises ``BackendUnavailable``, sending nothing,
@@ -341,6 +369,29 @@ class ClusterBackend:
         affected = [st for st in affected if not (st.prefill == handle.name and st.in_decode)]
         for st in sorted(affected, key=lambda s: (s.req.ttft_deadline_ns, s.req.arrival_ns)):
             self._redispatch(st, failed=handle.name)
+        if self.restart_dead_workers and not self._stopping and handle.name not in self._restarts:
+            self._restarts[handle.name] = asyncio.ensure_future(self._restart_until_up(handle.name))
+
+    async def _restart_until_up(self, name: str) -> None:
+        """Start dead worker ``name`` again: at once, then with a doubling wait (at most
+        ``_MAX_RESTART_WAIT_S``) while its start fails, until it serves or the backend stops."""
+        wait_s = 0.0
+        try:
+            while not self._stopping:
+                if wait_s:
+                    await asyncio.sleep(wait_s)
+                wait_s = min(max(2 * wait_s, 1.0), _MAX_RESTART_WAIT_S)
+                if self.workers[name].alive:
+                    return
+                try:
+                    await self.restart_worker(name)
+                except (WorkerStartError, OSError, ValueError):
+                    continue
+                self.num_restarts += 1
+                return
+        finally:
+            if self._restarts.get(name) is asyncio.current_task():
+                del self._restarts[name]
 
     def _redispatch(self, st: _Inflight, *, failed: str) -> None:
         """Send ``st`` again, avoiding ``failed``; end it when no worker is left."""

@@ -6,8 +6,14 @@ waits for its ``READY <port>`` line, connects its control connection and says ``
 Then two tasks run on the backend's event loop: a reader that hands every frame to the
 cluster (pongs are handled here: stats, clock samples) and a heartbeat that pings every
 ``heartbeat_interval_s``. The worker is declared dead, once, on EOF or a read error on
-the control connection, or when no pong arrived for ``heartbeat_timeout_s``, and
-``on_dead`` is called at once (its requests are sent elsewhere). A hung worker (no pong)
+the control connection, or when it showed no sign of life (no frame of any kind: pong,
+token, event) for ``heartbeat_timeout_s`` of *this* process's running time, and
+``on_dead`` is called at once (its requests are sent elsewhere). Running time, because
+the silence must be the worker's: while this process is stopped (``SIGSTOP``, a
+debugger, a swapped-out host) or its event loop is held up, no pong can be read, so each
+heartbeat tick counts at most two ping intervals however late it fires. A gateway that
+stalls for 3 s thus resumes, pings, reads the pong and carries on; a worker that stalls
+is declared dead after ``heartbeat_timeout_s`` of ticks that found it silent. A hung worker (no pong)
 is killed right away; one that closed its connection is exiting on its own (a Ctrl-C
 reached it too, or its engine failed), so it gets ``exit_grace_s`` to finish exiting (a
 tracer flushes its events at exit) before it is killed. Either way it is reaped.
@@ -60,7 +66,9 @@ class WorkerHandle:
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task] = []
         self._last_pong_ns = 0  # backend monotonic clock, ns
+        self._num_frames = 0  # frames read from the worker: its progress, as this process saw it
         self._ping_id = 0
+        self.death_reason = ""  # why it was declared dead ("" while alive)
 
     @property
     def pid(self) -> int | None:
@@ -123,6 +131,7 @@ class WorkerHandle:
         if not self.alive or self.stopping:
             return
         self.alive = False
+        self.death_reason = reason
         if not exiting:
             self._kill()
         if self._writer is not None:
@@ -158,6 +167,7 @@ class WorkerHandle:
                 frame = await read_frame(reader)
                 if frame is None:
                     break
+                self._num_frames += 1
                 header = frame[0]
                 if header["type"] == "pong":
                     self._on_pong(header)
@@ -175,12 +185,24 @@ class WorkerHandle:
             self._on_clock(ClockSample(self.name, h["t_send_ns"], h["recv_ns"], h["send_ns"], now))
 
     async def _heartbeat(self) -> None:
+        """Ping every interval; dead after ``heartbeat_timeout_s`` of silence counted in ticks
+        (each at most two intervals long: time this process did not run is not the worker's)."""
         timeout_ns = int(self.heartbeat_timeout_s * 1e9)
+        max_tick_ns = 2 * int(self.heartbeat_interval_s * 1e9)
+        silent_ns = 0  # backend monotonic clock, ns: silence of the worker while this loop ran
+        seen = self._num_frames
+        last_tick_ns = time.monotonic_ns()
         while self.alive:
             self._ping_id += 1
             self.send({"type": "ping", "id": self._ping_id, "t_send_ns": time.monotonic_ns()})
             await asyncio.sleep(self.heartbeat_interval_s)
-            if time.monotonic_ns() - self._last_pong_ns > timeout_ns:
+            now = time.monotonic_ns()
+            tick_ns, last_tick_ns = now - last_tick_ns, now
+            if self._num_frames != seen:  # it answered, or streamed: alive
+                seen, silent_ns = self._num_frames, 0
+                continue
+            silent_ns += min(tick_ns, max_tick_ns)
+            if silent_ns > timeout_ns:
                 self.declare_dead("heartbeat_timeout")
                 return
 

@@ -35,6 +35,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -68,6 +69,7 @@ from reference_server.serving.gateway_openai import (
 )
 from reference_server.serving.gateway_sse import GenerationResponse
 from reference_server.serving.gateway_tenants import TenantAuth
+from reference_server.serving.http_framing import FramingGuard
 from reference_server.serving.worker_hooks import RouteDecision, WorkerObserver
 
 __all__ = ["Gateway", "GatewayConfig", "RouteListener", "create_app"]
@@ -398,7 +400,8 @@ def create_app(backend: Backend, *, config: GatewayConfig | None = None, observe
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(FramingGuard)])
     app.state.gateway = gateway
     return app
 

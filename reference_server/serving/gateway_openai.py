@@ -3,8 +3,9 @@
 Pure functions over parsed JSON: no I/O, no backend. Bad input raises
 :class:`OpenAIError`, which carries the HTTP status and renders OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are ignored,
-as the OpenAI API does; known fields of the wrong type are rejected, and so is text that
-is not valid Unicode (JSON's ``"\ud800"`` escape decodes to a lone surrogate, which has no
+as the OpenAI API does; known fields of the wrong type or out of range are rejected (also
+those this server accepts without acting on them: ``logit_bias``, the penalties,
+``logprobs``, ...), and so is text that is not valid Unicode (JSON's ``"\ud800"`` escape decodes to a lone surrogate, which has no
 UTF-8 form to tokenize or echo).
 """
 
@@ -108,6 +109,7 @@ def _common(body: Mapping[str, Any], operation: str, *, prompt: str | tuple[int,
         raise _bad("top_p must be greater than 0", "top_p")
     top_k = _opt_int(body, "top_k", minimum=-1)
     stream = _opt_bool(body, "stream") or False
+    _check_unused_fields(body, operation, max_tokens)
     return CompletionRequest(
         operation=operation, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
         temperature=temperature, top_p=1.0 if top_p is None else top_p,
@@ -115,6 +117,68 @@ def _common(body: Mapping[str, Any], operation: str, *, prompt: str | tuple[int,
         ignore_eos=_opt_bool(body, "ignore_eos") or False, stream=stream,
         include_usage=_include_usage(body.get("stream_options"), stream), slo_class=_opt_str(body, "slo_class"),
         user=_opt_str(body, "user"))
+
+
+_LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit bias, either sign
+_PENALTY_LIMIT = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty, either sign
+_MAX_COMPLETION_LOGPROBS = 5  # /v1/completions logprobs: at most 5 alternatives
+_MAX_TOP_LOGPROBS = 20  # /v1/chat/completions top_logprobs
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_unused_fields(body: Mapping[str, Any], operation: str, max_tokens: int | None) -> None:
+    """Check the OpenAI (and vLLM) sampling fields this server accepts without acting on them, as those
+    servers check them: a client's mistake is a 400 here as it would be there, never silently ignored."""
+    _logit_bias(body.get("logit_bias"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        _opt_number(body, name, low=-_PENALTY_LIMIT, high=_PENALTY_LIMIT)
+    _opt_number(body, "min_p", low=0.0, high=1.0)
+    repetition_penalty = _opt_number(body, "repetition_penalty", low=0.0, high=math.inf)
+    if repetition_penalty == 0:
+        raise _bad("repetition_penalty must be greater than 0", "repetition_penalty")
+    min_tokens = _opt_int(body, "min_tokens", minimum=0)
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise _bad(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    best_of = _opt_int(body, "best_of", minimum=1)
+    if best_of not in (None, 1):
+        raise _bad("only best_of=1 is supported by this server", "best_of")
+    if operation == CHAT:
+        logprobs = _opt_bool(body, "logprobs")
+        top = _opt_int(body, "top_logprobs", minimum=0)
+        if top is not None and top > _MAX_TOP_LOGPROBS:
+            raise _bad(f"top_logprobs must be at most {_MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+        if top and not logprobs:
+            raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
+        _response_format(body.get("response_format"))
+    else:
+        logprobs_n = _opt_int(body, "logprobs", minimum=0)
+        if logprobs_n is not None and logprobs_n > _MAX_COMPLETION_LOGPROBS:
+            raise _bad(f"logprobs must be at most {_MAX_COMPLETION_LOGPROBS}, got {logprobs_n}", "logprobs")
+        _opt_str(body, "suffix")
+
+
+def _logit_bias(value: Any) -> None:
+    """``{"<token id>": bias}``: keys are token ids (decimal strings), biases numbers in [-100, 100]."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _bad(f"logit_bias must be an object mapping token ids to biases, got {_type(value)}", "logit_bias")
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise _bad(f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise _bad(f"logit_bias[{key}] must be a finite number, got {_type(bias)}", "logit_bias")
+        if not -_LOGIT_BIAS_LIMIT <= bias <= _LOGIT_BIAS_LIMIT:
+            raise _bad(f"logit_bias[{key}] must be between -100 and 100, got {bias}", "logit_bias")
+
+
+def _response_format(value: Any) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in _RESPONSE_FORMATS:
+        raise _bad(f"response_format must be an object with type one of {', '.join(_RESPONSE_FORMATS)}",
+                   "response_format")
 
 
 def _object(body: Any) -> Mapping[str, Any]:

@@ -1,16 +1,22 @@
 """KV block transfer from a prefill worker to a decode worker, directly over a socket.
 
-The prefill worker opens a TCP connection to the decode worker's port and sends the
-request's KV blocks in chunks of ``chunk_blocks`` blocks, one ``kv_push`` frame each
-(see :mod:`reference_server.serving.wire`); the first frame's header also carries the
-request (``meta``: prompt, sampling, tenant, output tokens so far, ...). The decode
-worker assembles the chunks; after the last one it hands the request to its engine
-and answers one ``kv_ack`` frame (``ok`` false with a message when it refused).
+The prefill worker keeps one TCP connection per decode worker open (:class:`KVLinks`,
+opened by the first transfer to that peer, opened again after it broke) and sends
+each request's KV blocks over it in chunks of ``chunk_blocks`` blocks, one ``kv_push``
+frame each (see :mod:`reference_server.serving.wire`); the first frame's header also
+carries the request (``meta``: prompt, sampling, tenant, output tokens so far, ...).
+Transfers to one peer share its connection, their frames interleaved whole, each
+tagged with its ``wid``. The decode worker assembles the chunks per ``wid``; after the
+last one it hands the request to its engine and answers one ``kv_ack`` frame for that
+``wid`` (``ok`` false with a message when it refused). A transfer thus costs its bytes
+and one acknowledgement, not a TCP handshake and a new connection task on each side.
 
 Both sides report :class:`~reference_server.serving.worker_hooks.KVTransferStart` and
 :class:`~reference_server.serving.worker_hooks.KVTransferEnd` with byte counts and
-their own monotonic timestamps. The ``kv_transfer`` injected delay (if planted) is
-slept on the sending side after the start event, so it lies inside the transfer.
+their own monotonic timestamps; the sender's end event also says when it began writing
+its first chunk to the socket (``first_sent_ns``). The ``kv_transfer`` injected delay (if
+planted) is slept on the sending side after the start event, so it lies inside the
+transfer, before the first chunk.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from reference_server.serving.delays import DelayConfig
 from reference_server.serving.wire import WireError, read_frame, write_frame
 from reference_server.serving.worker_hooks import KVTransferEnd, KVTransferStart, ObserverList
 
-__all__ = ["DEFAULT_CHUNK_BLOCKS", "KVReceiver", "TransferOutcome", "send_kv"]
+__all__ = ["DEFAULT_CHUNK_BLOCKS", "KVLinks", "KVReceiver", "TransferOutcome", "send_kv"]
 
 DEFAULT_CHUNK_BLOCKS = 16  # blocks per kv_push frame
 _ACK_TIMEOUT_S = 30.0  # the receiver answers right after the last chunk; this only bounds a hung peer
@@ -43,10 +49,82 @@ class TransferOutcome:
     end_ns: int
 
 
+class _Link:
+    """One open connection to a decode worker; its reader hands each ``kv_ack`` to the
+    transfer waiting for that ``wid``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.acks: dict[str, asyncio.Future] = {}
+        self.reader_task = asyncio.ensure_future(self._read_acks(reader))
+
+    @property
+    def usable(self) -> bool:
+        return not self.reader_task.done() and not self.writer.is_closing()
+
+    async def _read_acks(self, reader: asyncio.StreamReader) -> None:
+        reason: BaseException = ConnectionResetError("the decode worker closed the connection")
+        try:
+            while (frame := await read_frame(reader)) is not None:
+                header = frame[0]
+                waiter = self.acks.get(str(header.get("wid")))
+                if header.get("type") == "kv_ack" and waiter is not None and not waiter.done():
+                    waiter.set_result(header)
+        except (OSError, WireError) as exc:
+            reason = exc
+        finally:
+            self.writer.close()
+            for waiter in self.acks.values():
+                if not waiter.done():
+                    waiter.set_exception(reason)
+
+    def close(self) -> None:
+        self.reader_task.cancel()
+        self.writer.close()
+
+
+class KVLinks:
+    """The sending worker's kept-open connections, one per decode worker (``host:port``).
+
+    Event-loop thread only. ``num_connections`` counts connections opened (a broken one
+    is replaced by the next transfer to that peer)."""
+
+    def __init__(self) -> None:
+        self._links: dict[tuple[str, int], _Link] = {}
+        self._opening: dict[tuple[str, int], asyncio.Future] = {}
+        self.num_connections = 0  # counter
+
+    async def get(self, host: str, port: int) -> _Link:
+        """The open connection to ``host:port``, connecting if there is none (``OSError``)."""
+        key = (host, port)
+        link = self._links.get(key)
+        if link is not None and link.usable:
+            return link
+        opening = self._opening.get(key)
+        if opening is None:  # one connect per peer, however many transfers wait for it
+            opening = self._opening[key] = asyncio.ensure_future(self._open(host, port))
+            opening.add_done_callback(lambda _f: self._opening.pop(key, None))
+        return await asyncio.shield(opening)
+
+    async def _open(self, host: str, port: int) -> _Link:
+        reader, writer = await asyncio.open_connection(host, port)  # TCP_NODELAY set by asyncio: chunks leave at once
+        self.num_connections += 1
+        link = self._links[(host, port)] = _Link(reader, writer)
+        return link
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+
+
 async def send_kv(*, wid: str, meta: dict[str, Any], data: bytes, num_blocks: int, host: str, port: int,
                   instance: str, peer: str, chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
-                  observers: ObserverList | None = None, delays: DelayConfig | None = None) -> TransferOutcome:
-    """Push ``data`` (``num_blocks`` blocks) for worker request ``wid`` to ``host:port``.
+                  observers: ObserverList | None = None, delays: DelayConfig | None = None,
+                  links: KVLinks | None = None) -> TransferOutcome:
+    """Push ``data`` (``num_blocks`` blocks) for worker request ``wid`` to ``host:port``,
+    over ``links``' connection to that peer (without ``links``, over a connection of its own,
+    closed afterwards).
 
     Never raises for network trouble: a failed or refused transfer returns ``ok=False``
     with the reason. Runs on the sending worker's event loop."""
@@ -54,16 +132,19 @@ async def send_kv(*, wid: str, meta: dict[str, Any], data: bytes, num_blocks: in
         raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
     rid = str(meta.get("request_id", wid))
     obs = observers if observers is not None else ObserverList()
+    pool = links if links is not None else KVLinks()
     start_ns = time.monotonic_ns()  # sender monotonic clock, ns
+    first_sent_ns = -1  # the first chunk was handed to the socket
     if obs:
         obs.emit("on_kv_transfer_start", KVTransferStart(rid, instance, peer, "send", num_blocks, len(data), start_ns))
     num_sent = num_chunks = 0
     ok, message = False, ""
-    writer: asyncio.StreamWriter | None = None
+    link: _Link | None = None
     try:
         if delays:
             await delays.delay("kv_transfer")
-        reader, writer = await asyncio.open_connection(host, port)
+        link = await pool.get(host, port)
+        ack = link.acks[wid] = asyncio.get_running_loop().create_future()
         block_bytes = len(data) // num_blocks if num_blocks else 0
         total_chunks = max(1, -(-num_blocks // chunk_blocks))
         for i in range(total_chunks):
@@ -72,24 +153,24 @@ async def send_kv(*, wid: str, meta: dict[str, Any], data: bytes, num_blocks: in
                       "num_blocks": num_blocks, "num_bytes": len(data), "src": instance}
             if i == 0:
                 header["meta"] = meta
-            write_frame(writer, header, chunk)
-            await writer.drain()
+                first_sent_ns = time.monotonic_ns()  # before the write: the peer may read it before it returns
+            write_frame(link.writer, header, chunk)
+            await link.writer.drain()
             num_sent += len(chunk)
             num_chunks += 1
-        answer = await asyncio.wait_for(read_frame(reader), _ACK_TIMEOUT_S)
-        if answer is None or answer[0].get("type") != "kv_ack":
-            message = "the decode worker closed the connection without acknowledging"
-        else:
-            ok, message = bool(answer[0].get("ok")), str(answer[0].get("message", ""))
+        answer = await asyncio.wait_for(ack, _ACK_TIMEOUT_S)
+        ok, message = bool(answer.get("ok")), str(answer.get("message", ""))
     except (OSError, WireError, asyncio.TimeoutError) as exc:
         message = f"KV transfer to {peer} failed: {exc!r}"
     finally:
-        if writer is not None:
-            writer.close()
+        if link is not None:
+            link.acks.pop(wid, None)
+        if links is None:
+            pool.close()
     end_ns = time.monotonic_ns()
     if obs:
         obs.emit("on_kv_transfer_end", KVTransferEnd(
-            rid, instance, peer, "send", num_blocks, num_sent, num_chunks, start_ns, end_ns, ok))
+            rid, instance, peer, "send", num_blocks, num_sent, num_chunks, start_ns, end_ns, ok, first_sent_ns))
     return TransferOutcome(ok, message, num_sent, num_chunks, start_ns, end_ns)
 
 
@@ -153,6 +234,10 @@ class KVReceiver:
             problem = self._on_complete(wid, part.meta, bytes(part.data))
         self._finish(wid, part, ok=problem is None)
         write_frame(writer, {"type": "kv_ack", "wid": wid, "ok": problem is None, "message": problem or ""})
+
+    def in_progress(self, wid: str) -> bool:
+        """Whether chunks of ``wid`` arrived and its last one has not."""
+        return wid in self._partials
 
     def discard(self, wids: set[str] | None = None) -> None:
         """Drop partial transfers (all, or those of ``wids``), e.g. when their connection

@@ -20,8 +20,16 @@ worker -> controller: ``hello_ok``; ``pong`` {id, t_send_ns, recv_ns, send_ns, s
 ``token`` {wid, index, token_id, text, finish_reason, num_prompt_tokens, num_cached_tokens};
 ``error`` {wid, kind: value|transfer_failed|internal, message}; ``kv_received`` {wid};
 ``event`` {name, event} (worker observer events relayed, worker clock).
-prefill -> decode worker (its own connection): ``kv_push`` chunks, answered by ``kv_ack``
-(see :mod:`reference_server.serving.kv_transfer`).
+prefill -> decode worker (one connection per decode worker, kept open): ``kv_push`` chunks,
+each transfer answered by one ``kv_ack`` (see :mod:`reference_server.serving.kv_transfer`).
+
+Every connection has ``TCP_NODELAY`` set (asyncio sets it on the TCP sockets its ``start_server`` and
+``open_connection`` make from a host and port), so a frame is never held back waiting for the peer's
+acknowledgement of the previous one. Once its engine is built, the worker moves
+every object it holds into the collector's permanent generation (``gc.freeze``): a full
+collection then walks only what was allocated while serving, not the model, tokenizer
+and caches, so it no longer stops the process (its event loop and engine thread, the KV
+it sends and receives) for hundreds of milliseconds.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import importlib
 import os
 import signal
@@ -40,7 +49,7 @@ from reference_server.engine import Engine, EngineConfig, EngineLoop, RequestOut
 from reference_server.engine.handoff import PrefilledKV
 from reference_server.serving.config_codec import engine_config_from_json, sampling_from_dict
 from reference_server.serving.delays import DelayConfig, plant_engine_delays
-from reference_server.serving.kv_transfer import DEFAULT_CHUNK_BLOCKS, KVReceiver, send_kv
+from reference_server.serving.kv_transfer import DEFAULT_CHUNK_BLOCKS, KVLinks, KVReceiver, send_kv
 from reference_server.serving.wire import WireError, read_frame, write_frame
 from reference_server.serving.worker_hooks import (
     ObserverList,
@@ -115,6 +124,7 @@ class Worker:
         self.observers = ObserverList()
         self.observers.add(_Relay(self))
         self.receiver = KVReceiver(instance=name, on_complete=self._on_kv_complete, observers=self.observers)
+        self.kv_links = KVLinks()  # prefill role: the kept-open connection to each decode worker
         self._controller: asyncio.StreamWriter | None = None
         self._requests: dict[str, dict[str, Any]] = {}  # wid -> its generate header (prefill role needs it)
         self._accepted: dict[str, int] = {}  # wid -> when its generate frame was taken (until its first token)
@@ -123,6 +133,8 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self.num_kv_bytes_sent = 0  # counter
+        self.num_connections_accepted = 0  # counter: the controller's, plus one per prefill peer
+        self.num_gc_frozen = 0  # objects moved to the collector's permanent generation at start
 
     def add_observer(self, observer: Any) -> None:
         """Attach a :class:`WorkerObserver` (called on the worker's event loop thread)."""
@@ -136,6 +148,9 @@ class Worker:
     async def serve(self) -> None:
         """Serve until stopped; prints ``READY <port>`` once listening."""
         self._loop, self._stopped = asyncio.get_running_loop(), asyncio.Event()
+        gc.collect()
+        gc.freeze()  # the start-up heap (model, tokenizer, caches) is never walked by a collection again
+        self.num_gc_frozen = gc.get_freeze_count()  # walks the frozen objects: once, not per heartbeat
         self.engine_loop.start()
         server = await asyncio.start_server(self._on_connection, self.host, self.port)
         self.port = server.sockets[0].getsockname()[1]
@@ -150,6 +165,7 @@ class Worker:
             server.close()
             for task in self._pushes.values():
                 task.cancel()
+            self.kv_links.close()
             await asyncio.to_thread(self.engine_loop.stop)
             self.observers.emit("on_worker_stopped", WorkerStopped(
                 self.name, self.role, "stopped", len(self._requests), time.monotonic_ns()))
@@ -175,7 +191,8 @@ class Worker:
     # ------------------------------------------------------------------ connections
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        kv_wids: set[str] = set()
+        kv_wids: set[str] = set()  # transfers in progress on this connection
+        self.num_connections_accepted += 1
         try:
             while True:
                 frame = await read_frame(reader)
@@ -183,8 +200,11 @@ class Worker:
                     break
                 header, payload = frame
                 if header["type"] == "kv_push":
-                    kv_wids.add(str(header.get("wid")))
+                    wid = str(header.get("wid"))
+                    kv_wids.add(wid)
                     await self.receiver.on_frame(header, payload, writer)
+                    if not self.receiver.in_progress(wid):
+                        kv_wids.discard(wid)
                 else:
                     self._on_message(header, writer)
         except (WireError, OSError, asyncio.CancelledError):
@@ -207,7 +227,10 @@ class Worker:
             recv_ns = time.monotonic_ns()  # worker monotonic clock, ns
             stats = dataclasses.asdict(self.engine_loop.last_stats)
             stats.update(num_kv_bytes_sent=self.num_kv_bytes_sent,
-                         num_kv_bytes_received=self.receiver.num_bytes_received)
+                         num_kv_bytes_received=self.receiver.num_bytes_received,
+                         num_kv_connections=self.kv_links.num_connections,
+                         num_connections_accepted=self.num_connections_accepted,
+                         num_gc_frozen=self.num_gc_frozen)
             write_frame(writer, {"type": "pong", "id": h.get("id"), "t_send_ns": h.get("t_send_ns"),
                                  "recv_ns": recv_ns, "send_ns": time.monotonic_ns(), "stats": stats})
         elif kind == "generate":
@@ -288,7 +311,8 @@ class Worker:
             outcome = await send_kv(
                 wid=wid, meta=meta, data=state.data, num_blocks=state.num_blocks, host=target["host"],
                 port=int(target["port"]), instance=self.name, peer=str(target["name"]),
-                chunk_blocks=self.kv_chunk_blocks, observers=self.observers, delays=self.delays)
+                chunk_blocks=self.kv_chunk_blocks, observers=self.observers, delays=self.delays,
+                links=self.kv_links)
         finally:
             self._pushes.pop(wid, None)
         self.num_kv_bytes_sent += outcome.num_bytes

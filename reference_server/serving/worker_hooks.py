@@ -52,7 +52,9 @@ class KVTransferEnd:
     the engine. The engine writes the blocks into its device tier before its next step, as
     soon as it has room; the decode engine's ``EngineObserver.on_request_added`` for the
     request fires right after that write (the "blocks imported" moment). ``ok`` is False when it failed or
-    was aborted. Clock: ``instance``'s monotonic, ns."""
+    was aborted. ``first_sent_ns`` ("send" only, else -1): when the sender began writing its
+    first chunk to the socket; ``[start_ns, first_sent_ns)`` is the sender's own part (any planted
+    ``kv_transfer`` delay, connecting, its event loop's turn). Clock: ``instance``'s monotonic, ns."""
 
     request_id: str
     instance: str
@@ -64,6 +66,7 @@ class KVTransferEnd:
     start_ns: int
     end_ns: int
     ok: bool
+    first_sent_ns: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,7 @@ def test_summary_distribution():
 def test_without_spans_the_stage_columns_are_empty():
     requests, tokens, instances, _ = _store()
     df = agreement_summary(requests, tokens, instances)
-    row = df.set_index("metric").loc["ttft_stages"]
+    row = df.set_index("metric").loc["itl_stages"]
     assert row["count"] == 0 and math.isnan(row["mean_ms"])
     assert df.set_index("metric").loc["ttft", "count"] == 1
 
@@ -139,3 +139,15 @@ def test_a_held_back_token_is_compared_as_part_of_the_chunk_that_carried_it():
     assert list(df[SERVER_NS]) == [9 * MS, 2 * MS + 8 * MS]  # token 1 (10 -> 12) + token 2 (12 -> 20)
     assert list(df[STAGE_SUM_NS]) == [9 * MS, 2 * MS + 5 * MS]  # decode 10-12 clipped, 14-19
     assert list(df[DIFF_NS]) == [-2 * MS, 500_000]
+
+
+def test_the_tail_is_the_absolute_difference_and_no_row_repeats_ttft():
+    """Server - client ITL differences of -0.5 and +1.0 ms: the signed p50 is the bias (0.25), the tail is
+    |diff| (p99 near 1.0), whichever side it is on."""
+    requests, tokens, instances, spans = _store()
+    df = agreement_summary(requests, tokens, instances, spans).set_index("metric")
+    assert "ttft_stages" not in df.index and "p99_ms" not in df.columns
+    assert df.loc["itl", "p99_abs_ms"] == pytest.approx(0.5 + 0.99 * 0.5)
+    assert df.loc["itl", "p50_abs_ms"] == pytest.approx(0.75)
+    assert df.loc["itl", "max_ms"] == pytest.approx(1.0)
+    assert df.loc["ttft", "max_ms"] == pytest.approx(-2.0) and df.loc["ttft", "p99_abs_ms"] == pytest.approx(2.0)

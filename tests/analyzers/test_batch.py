@@ -62,3 +62,18 @@ def test_empty_and_bad_input(handmade):
     assert batch_profile(handmade.source()).empty
     with pytest.raises(ValueError):
         interference(handmade.source(), tail_fraction=2)
+
+
+def test_a_prefill_workers_steps_are_binned_apart_from_the_decode_workers(handmade):
+    """Prefill worker (2): two 100 ms prefill-only steps of 1 sequence. Decode worker (3): two 10 ms steps of 1
+    sequence producing r1's tokens 1 and 2 (ITL 10 ms each). Mixed, the 1-sequence bin's step time would be
+    55 ms against an ITL of 10."""
+    from tokentrace.schema import Role
+    h = handmade.instance(2, Role.PREFILL).instance(3, Role.DECODE)
+    h.step(1, 0, 100, seqs=1, prefill=400, inst=2).step(2, 100, 200, seqs=1, prefill=400, inst=2)
+    h.step(1, 200, 210, seqs=1, decode=1, inst=3).step(2, 210, 220, seqs=1, decode=1, inst=3)
+    h.request(1, 0, 220).tokens(1, [200, 210, 220], steps=[1, 1, 2], inst=3)
+    df = batch_profile(h.source()).set_index("role")
+    assert df.loc["decode", "mean_step_ms"] == pytest.approx(10.0)
+    assert df.loc["decode", "num_tokens"] == 2 and df.loc["decode", "p99_itl_ms"] == pytest.approx(10.0)
+    assert df.loc["prefill", "mean_step_ms"] == pytest.approx(100.0) and df.loc["prefill", "num_tokens"] == 0

@@ -57,6 +57,17 @@ def test_tier_hits(store, tier, column, expected):
     assert tier_hits(store).set_index("tier").loc[tier, column] == pytest.approx(expected)
 
 
+def test_a_lookup_again_after_a_preemption_is_not_a_second_hit(handmade):
+    """r1 misses at 1 ms, is preempted, and at 50 ms looks up again and finds its own 4 blocks: its reported
+    cached tokens (0) come from the first lookup, and so do the lookup rates."""
+    h = handmade
+    h.request(1, 0, 100, prompt=20, cached=0).tokens(1, [10])
+    h.cache(K.MISS, Tier.DEVICE, 0, 1, 1.1, rid=1, tokens=20).cache(K.HIT, Tier.DEVICE, 4, 50, 50.1, rid=1)
+    tiers = tier_hits(h.source())
+    assert prefix_hits(h.source()).iloc[0]["token_hit_rate"] == 0.0
+    assert tiers.empty or (tiers["num_lookups_hit"] == 0).all(), tiers
+
+
 def test_eviction_churn(store):
     row = eviction_churn(store).set_index("tier").loc["device"]
     assert row["evicted_blocks"] == 10
@@ -81,21 +92,44 @@ def test_hit_value_without_stage_spans_is_not_measured(store):
     assert df.loc["hit", "mean_ttft_ms"] == pytest.approx(20.0)  # context only
 
 
+def _hits_and_misses(h, *, num_hits: int = 5, num_misses: int = 5, miss_queue_ms: float = 40.0):
+    """Hits (prompt 100, 80 cached): queue 0-50 ms, lookup 1 ms, load 2 ms, prefill 4 ms. Misses (prompt 100): queue
+    ``miss_queue_ms``, lookup 1 ms, prefill 20 ms."""
+    for i in range(num_hits):
+        h.request(1 + i, 0, 100, prompt=100, cached=80).tokens(1 + i, [57])
+        h.span(1 + i, Stage.SCHEDULE_QUEUE, 0, 50, 0).span(1 + i, Stage.CACHE_LOOKUP, 50, 51, 0)
+        h.span(1 + i, Stage.CACHE_LOAD, 51, 53, 0).span(1 + i, Stage.PREFILL_COMPUTE, 53, 57, 0)
+    q = miss_queue_ms
+    for i in range(num_misses):
+        rid = 100 + i
+        h.request(rid, 0, 100, prompt=100, cached=0).tokens(rid, [q + 21])
+        if q > 0:
+            h.span(rid, Stage.SCHEDULE_QUEUE, 0, q, 0)
+        h.span(rid, Stage.CACHE_LOOKUP, q, q + 1, 0).span(rid, Stage.PREFILL_COMPUTE, q + 1, q + 21, 0)
+    return hit_value(h.source()).set_index("group")
+
+
 def test_hit_value_on_the_stages_a_hit_changes(handmade):
-    # r1 hit: prompt 100, 80 cached: lookup 1 ms, load 2 ms, prefill 4 ms (queue 50 ms: not counted).
-    # r2 miss: prompt 100: lookup 1 ms, prefill 20 ms.
-    h = handmade
-    h.request(1, 0, 100, prompt=100, cached=80).tokens(1, [57])
-    h.span(1, Stage.SCHEDULE_QUEUE, 0, 50, 0).span(1, Stage.CACHE_LOOKUP, 50, 51, 0)
-    h.span(1, Stage.CACHE_LOAD, 51, 53, 0).span(1, Stage.PREFILL_COMPUTE, 53, 57, 0)
-    h.request(2, 0, 100, prompt=100, cached=0).tokens(2, [21])
-    h.span(2, Stage.CACHE_LOOKUP, 0, 1, 0).span(2, Stage.PREFILL_COMPUTE, 1, 21, 0)
-    df = hit_value(h.source()).set_index("group")
+    df = _hits_and_misses(handmade)
     assert df.loc["hit", "ms_per_prompt_token"] == pytest.approx(7 / 100)
     assert df.loc["miss", "ms_per_prompt_token"] == pytest.approx(21 / 100)
     assert df.loc["hit", "saved_ms_per_hit"] == pytest.approx(21 - 7)
     assert df.loc["hit", "load_ms"] == pytest.approx(2.0) and df.loc["hit", "mean_queue_ms"] == pytest.approx(50.0)
+    assert df.loc["hit", "value_note"] == "" and df.loc["miss", "num_compared"] == 5
     assert math.isnan(df.loc["miss", "saved_ms_per_hit"])
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"num_misses": 2}, "only 2 of 2 request(s) that missed queued about as long as the hits"),
+    ({"num_hits": 1}, "only 1 request(s) hit"),
+    ({"miss_queue_ms": 0.0}, "only 0 of 5 request(s) that missed queued about as long as the hits"),
+    ({"num_hits": 0}, "no request hit the prefix cache"),
+])
+def test_no_value_of_a_hit_from_too_few_requests_or_another_load(handmade, kw, words):
+    """A miss served alone (no queue) against hits that queued 50 ms is not a comparison; nor are two requests."""
+    df = _hits_and_misses(handmade, **kw)
+    assert math.isnan(df.loc["hit", "saved_ms_per_hit"])
+    assert df.loc["hit", "value_note"].startswith(words), df.loc["hit", "value_note"]
 
 
 def test_hit_rate_over_time(handmade):
@@ -119,7 +153,7 @@ def test_best_achievable_rate_comes_from_the_manifest(handmade):
 
 
 def test_the_bench_records_the_bound_under_the_key_the_analyzer_reads():
-    from tokentrace.bench import prefix
+    from tokentrace.app.bench import prefix
 
     assert prefix.PREFIX_BOUND_KEY == PREFIX_BOUND_KEY
 

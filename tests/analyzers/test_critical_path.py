@@ -72,3 +72,37 @@ def test_bad_n(three):
 def test_empty(handmade):
     assert critical_path(handmade.source()).empty
     assert slowest_requests(handmade.source()).empty
+
+
+def test_stages_past_the_first_token_or_claiming_the_same_time_never_push_a_share_past_100(handmade):
+    """r1 (TTFT 10 ms): a preemption tagged token 0 runs 5-60 ms, past its first token at 10: only 5 ms of it
+    is on the path. r2 (TTFT 10 ms): queue 0-10 and a second claim of 0-10 (cache.load): each gets half."""
+    h = handmade
+    h.request(1, 0, 70).tokens(1, [10])
+    h.span(1, Stage.SCHEDULE_QUEUE, 0, 5, 0).span(1, Stage.SCHEDULE_PREEMPTED, 5, 60, 0)
+    h.request(2, 0, 30).tokens(2, [10])
+    h.span(2, Stage.SCHEDULE_QUEUE, 0, 10, 0).span(2, Stage.CACHE_LOAD, 0, 10, 0)
+    df = critical_path(h.source())
+    for group, rows in df.groupby("group"):
+        assert rows["share_of_ttft"].between(0, 1).all(), rows
+        assert rows["share_of_ttft"].sum() == pytest.approx(1.0), rows
+        assert (rows["mean_ms"] >= 0).all(), rows
+    p99 = df[df["group"] == "p99"].set_index("stage")
+    assert UNATTRIBUTED_LABEL not in p99.index
+    assert p99["mean_ms"].sum() == pytest.approx(10.0)
+
+
+def test_a_slowest_requests_stage_counts_only_its_time_inside_the_requests_token_intervals(handmade):
+    """The engine (instance 1) runs ahead of the stream (instance 2): it emits token 0 at 4 ms and waits for its
+    next step from 4 to 11 ms while token 0 is relayed until 10 ms. Only 10-11 ms of that wait lies in token 1's
+    interval [10, 20]; 4-10 ms is token 0's delivery. The stages tile E2E, as the stage breakdown counts them."""
+    h = handmade
+    h.request(1, 0, 20).tokens(1, [4, 12]).tokens(1, [10, 20], inst=2, kind="sent")
+    h.span(1, Stage.SCHEDULE_QUEUE, 0, 4, 0).span(1, Stage.DECODE_QUEUE, 4, 11, 1)
+    h.span(1, Stage.DECODE_COMPUTE, 11, 12, 1)
+    h.span(1, Stage.STREAM_RELAY, 4, 10, 0, inst=2).span(1, Stage.STREAM_RELAY, 12, 20, 1, inst=2)
+    row = slowest_requests(h.source(), n=1).iloc[0]
+    assert row["e2e_ms"] == pytest.approx(20.0)
+    assert row["decode.queue"] == pytest.approx(1.0)
+    assert row["stream.relay"] == pytest.approx(14.0)
+    assert row[UNATTRIBUTED_LABEL] == pytest.approx(0.0)

@@ -18,7 +18,12 @@ from simulated import simulate
 
 from analyzers import capacity, facts
 from analyzers.analysis import RunAnalysis
-from analyzers.derivation import derive, run_is_finished
+from analyzers.derivation import FACTS, derive
+from analyzers.facts import format_key
+from analyzers.source import Source
+from analyzers.spec_rows import SPEC_DECODE_TOKENS, SPEC_STEP_ROWS
+from analyzers.stage_breakdown import stage_column
+from analyzers.timing import TOKEN_TIMES
 from tokentrace.clock import time_columns
 from tokentrace.schema import TABLES, Role, Stage, col
 from tokentrace.store.derived import DERIVED_DIR, read_derived
@@ -39,6 +44,7 @@ CAPACITY: list[tuple[str, dict]] = [
     ("throughput_summary", {}), ("percentiles", {}), ("throughput", {"window_s": 0.5}),
     ("load_latency", {"window_s": 0.5}), ("cdf", {}), ("ttft_by_prompt", {}),
 ]
+NAMES = [fact.name for fact in FACTS]
 OFFSETS_MS = {1: 0.0, 2: 250.0, 101: -120.0, 102: 37.5}  # instance -> clock offset to the reference clock
 
 
@@ -101,12 +107,12 @@ def test_every_answer_is_the_same_from_the_derived_facts(runs: dict[str, Path], 
     run = open_run(path.parent, path.name)
     shutil.rmtree(path / DERIVED_DIR, ignore_errors=True)
     plain = RunAnalysis(run)
-    assert facts.derived_file(plain.source, "token_times") is None  # nothing derived yet: the part files
+    assert not facts.is_saved(plain.source, TOKEN_TIMES)  # nothing derived yet: the part files
     from_parts = _answers(plain)
-    assert derive(run) == list(facts.DERIVED_FACTS)
+    assert derive(run) == NAMES
     assert derive(run) == []  # all current: nothing to do
     derived = RunAnalysis(run)
-    assert all(facts.derived_file(derived.source, f) is not None for f in facts.DERIVED_FACTS)
+    assert all(facts.is_saved(derived.source, f) for f in FACTS)
     from_facts = _answers(derived)
     for key, value in from_parts.items():
         _assert_same(value, from_facts[key], f"{name}: {key}")
@@ -120,7 +126,7 @@ def test_clock_offsets_are_applied_before_deriving(runs: dict[str, Path]) -> Non
     times = pq.read_table(path / DERIVED_DIR / "token_times.parquet").to_pandas()
     assert (times["latency_ns"] > 0).all()  # a wrong offset (250 ms apart) would make some intervals negative
     stages = pq.read_table(path / DERIVED_DIR / "token_stage_ns.parquet").to_pandas()
-    compute = stages[facts.stage_column(Stage.DECODE_COMPUTE)]
+    compute = stages[stage_column(Stage.DECODE_COMPUTE)]
     assert set(compute[stages[col.TOKEN_INDEX] > 0].unique()) == {8_000_000}  # one 8 ms step per decode token
 
 
@@ -141,10 +147,10 @@ def test_a_new_part_makes_the_facts_stale(runs: dict[str, Path], tmp_path: Path)
     folder.mkdir(parents=True)
     pq.write_table(h.table("tokens"), folder / part_name(1))
     after = RunAnalysis(run)
-    assert facts.derived_file(after.source, "token_times") is None  # stale: not read
+    assert not facts.is_saved(after.source, TOKEN_TIMES)  # stale: not read
     lat = after.latency().set_index("metric")
     assert lat.loc["ttft", "count"] == before.set_index("metric").loc["ttft", "count"] + 1
-    assert derive(run) == list(facts.DERIVED_FACTS)  # derived afresh for the new parts
+    assert derive(run) == NAMES  # derived afresh for the new parts
     _assert_same(lat.reset_index(), RunAnalysis(run).latency(), "after re-deriving")
 
 
@@ -153,8 +159,8 @@ def test_facts_of_another_format_are_not_read(runs: dict[str, Path], tmp_path: P
     run = open_run(tmp_path, "offsets")
     derive(run)
     monkeypatch.setattr(facts, "FORMAT_VERSION", facts.FORMAT_VERSION + 1)  # code that derives something else
-    assert facts.derived_file(RunAnalysis(run).source, "token_times") is None
-    assert derive(run) == list(facts.DERIVED_FACTS)
+    assert not facts.is_saved(RunAnalysis(run).source, TOKEN_TIMES)
+    assert derive(run) == NAMES
 
 
 def test_a_run_is_finished_when_every_writer_closed(tmp_path: Path) -> None:
@@ -166,11 +172,11 @@ def test_a_run_is_finished_when_every_writer_closed(tmp_path: Path) -> None:
     from tokentrace.store.manifest import read_fragments
 
     write_run(tmp_path, "done", num_requests=5)
-    assert run_is_finished(open_run(tmp_path, "done"))
+    assert open_run(tmp_path, "done").is_finished()
     fragment = read_fragments(tmp_path / "done")
     assert fragment and all(f.get("closed") for f in fragment)
     HandMade().write(tmp_path, "no-writers")  # no writer fragments at all (written outside tokentrace)
-    assert not run_is_finished(open_run(tmp_path, "no-writers"))
+    assert not open_run(tmp_path, "no-writers").is_finished()
 
 
 def test_read_derived_keeps_only_current_files(runs: dict[str, Path], tmp_path: Path) -> None:
@@ -178,7 +184,7 @@ def test_read_derived_keeps_only_current_files(runs: dict[str, Path], tmp_path: 
     path = tmp_path / "offsets"
     derive(open_run(tmp_path, "offsets"))
     (path / DERIVED_DIR / "junk.parquet").write_bytes(b"not parquet")
-    current = read_derived(path, "0" * 64, facts.format_key())
+    current = read_derived(path, "0" * 64, format_key())
     assert current == {}  # another fingerprint
 
 
@@ -212,14 +218,14 @@ def test_sessions_speculation_and_diff_are_the_same_from_the_derived_facts(tmp_p
     write_run(tmp_path, "both", num_requests=3000, mean_output_tokens=4.0, rate_rps=500.0, sessions=0.3,
               speculative=True)
     plain = {r: RunAnalysis(open_run(tmp_path, r)) for r in ("plain", "both")}
-    assert facts.derived_file(plain["both"].source, "spec_step_rows") is None
+    assert not facts.is_saved(plain["both"].source, SPEC_STEP_ROWS)
     again = RunAnalysis(open_run(tmp_path, "both")).diff(RunAnalysis(open_run(tmp_path, "plain")))
     from_parts = {"sessions": plain["both"].sessions(), "speculation": plain["both"].speculation(),
                   "diff": plain["both"].diff(plain["plain"])}
     for run_id in ("plain", "both"):
-        assert derive(open_run(tmp_path, run_id)) == list(facts.DERIVED_FACTS)
+        assert derive(open_run(tmp_path, run_id)) == NAMES
     derived = {r: RunAnalysis(open_run(tmp_path, r)) for r in ("plain", "both")}
-    assert facts.derived_file(derived["both"].source, "spec_decode_tokens") is not None
+    assert facts.is_saved(derived["both"].source, SPEC_DECODE_TOKENS)
     from_facts = {"sessions": derived["both"].sessions(), "speculation": derived["both"].speculation(),
                   "diff": derived["both"].diff(derived["plain"])}
     _assert_same(from_parts["diff"], again, "diff, computed twice")
@@ -227,3 +233,99 @@ def test_sessions_speculation_and_diff_are_the_same_from_the_derived_facts(tmp_p
         _assert_same(value, from_facts[key], key)
     assert not from_facts["sessions"].empty and not from_facts["speculation"].is_empty
     assert from_facts["diff"]["significant"].any()  # speculation and sessions moved ITL and TTFT
+
+
+def fact_rows(src: Source, fact: facts.Fact) -> pd.DataFrame:
+    """The fact's declared columns through the door, in a fixed order (every column, nulls last)."""
+    frame = src.df(fact.rows_sql(facts.relation(src, fact)))
+    lists = [c.name for c in fact.columns if str(c.type).startswith("list")]
+    for name in lists:  # arrays compare as tuples
+        frame[name] = [tuple(v) for v in frame[name]]
+    return frame.sort_values(list(fact.names), na_position="last", kind="stable").reset_index(drop=True)
+
+
+def assert_saved_equal_built(run_path: Path, engine: object = None) -> None:
+    """Every fact of the registry read from the run's saved file equals the same fact built now from the part
+    files (same columns, types and rows), on ``engine``."""
+    run = open_run(run_path.parent, run_path.name)
+    derive(run)
+    saved = Source.of_run(run, engine=engine)
+    built = Source.of_run(run, engine=engine)
+    built._cache["saved_facts"] = {}  # this source builds every fact from the part files
+    alone = Source.of_run(run, engine=engine)
+    alone._cache["saved_facts"] = {}  # ... and this one only the rows asked for (rows_for), where it can
+    try:
+        for fact in FACTS:
+            assert facts.is_saved(saved, fact) and not facts.is_saved(built, fact), fact.name
+            a, b = fact_rows(saved, fact), fact_rows(built, fact)
+            assert list(a.columns) == list(fact.names), fact.name
+            _assert_same(a, b, f"{run_path.name}: {fact.name}")
+            if fact.select_only is not None:
+                _assert_some_rows_same(fact, a, saved, alone, f"{run_path.name}: {fact.name}")
+            if fact.rows_along is not None:
+                _assert_built_along_same(fact, a, saved, run, engine, f"{run_path.name}: {fact.name}")
+    finally:
+        saved.close()
+        built.close()
+        alone.close()
+
+
+def _assert_built_along_same(fact: facts.Fact, rows: pd.DataFrame, saved: Source, run: object, engine: object,
+                             where: str) -> None:
+    """Built in one pass with some rows of the fact it declares (:func:`analyzers.facts.relation_and_rows`): the
+    fact's rows are its saved rows, and the other fact's rows are its saved rows for every third key."""
+    other = fact.rows_along[0]
+    saved_other = fact_rows(saved, other)
+    some = saved_other[list(other.keys)].iloc[::3].drop_duplicates().reset_index(drop=True)
+    expected = saved_other.merge(some, on=list(other.keys)).sort_values(list(other.names), kind="stable")
+    assert len(some) and len(expected) == len(some), where
+    along = Source.of_run(run, engine=engine)
+    along._cache["saved_facts"] = {}
+    try:
+        along.register("some_keys", some)
+        assert not facts.is_at_hand(along, fact) and not facts.is_at_hand(along, other), where
+        _, got_rows = facts.relation_and_rows(along, fact, other, "some_keys")
+        got = along.df(got_rows).sort_values(list(other.names), kind="stable").reset_index(drop=True)
+        _assert_same(expected.reset_index(drop=True), got, f"{where}: rows of {other.name} along")
+        assert facts.is_at_hand(along, fact) and not facts.is_at_hand(along, other), where  # one pass, not whole
+        _assert_same(rows, fact_rows(along, fact), f"{where}: built along {other.name}")
+    finally:
+        along.close()
+
+
+def _assert_some_rows_same(fact: facts.Fact, rows: pd.DataFrame, saved: Source, alone: Source, where: str) -> None:
+    """Every third row's keys: their rows through :func:`analyzers.facts.rows_for` are the fact's rows for them,
+    read from the saved file and built for those keys alone (the whole fact never built)."""
+    some = rows[list(fact.keys)].iloc[::3].drop_duplicates().reset_index(drop=True)
+    expected = rows.merge(some, on=list(fact.keys)).sort_values(list(fact.names), kind="stable")
+    expected = expected.reset_index(drop=True)
+    assert len(some) and len(expected) == len(some), where
+    for src in (saved, alone):
+        src.register("some_keys", some)
+        got = src.df(facts.rows_for(src, fact, "some_keys")).sort_values(list(fact.names), kind="stable")
+        src.unregister("some_keys")
+        _assert_same(expected, got.reset_index(drop=True), f"{where}: rows_for")
+    assert not facts.is_at_hand(alone, fact), where  # built for those keys only, not whole
+
+
+@pytest.mark.parametrize("name", ["offsets", "real"])
+def test_every_saved_fact_equals_the_fact_built_now(runs: dict[str, Path], name: str) -> None:
+    assert_saved_equal_built(runs[name])
+
+
+def test_every_saved_fact_of_a_speculative_run_equals_the_fact_built_now(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dashboard"))
+    from synthetic_store import write_run
+
+    write_run(tmp_path, "both", num_requests=300, mean_output_tokens=4.0, rate_rps=500.0, sessions=0.3,
+              speculative=True)
+    assert_saved_equal_built(tmp_path / "both")
+
+
+def test_a_fact_is_declared_once() -> None:
+    names = [fact.name for fact in FACTS]
+    assert len(set(names)) == len(names)
+    for fact in FACTS:
+        assert len(set(fact.names)) == len(fact.names), fact.name

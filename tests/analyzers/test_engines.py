@@ -40,7 +40,7 @@ from analyzers.analysis import RunAnalysis
 from analyzers.engine import DuckDBEngine
 from analyzers.source import Source
 from analyzers.spark_engine import SPARK_INSTALL_HINT, SparkEngine, spark_session
-from tokentrace.report import make_report
+from tokentrace.app.report import make_report
 from tokentrace.schema import Role, Stage, col
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,6 +192,7 @@ def test_in_memory_tables_register_on_spark_and_absent_ones_have_every_column(sp
     on_spark.source.close()
 
 
+@pytest.mark.timeout(600)  # every analysis of the report twice, one of them on Spark: minutes on a busy machine
 def test_the_report_on_the_real_run_is_the_same_on_both_engines(spark):
     """Every section, table, headline line and budget metric of the report, DuckDB against Spark."""
     duck = make_report(REAL_STORE)
@@ -211,7 +212,7 @@ def test_the_report_on_the_real_run_is_the_same_on_both_engines(spark):
 
 
 def _cli(args: list[str], *, env: dict[str, str] | None = None, pre: str = "") -> subprocess.CompletedProcess:
-    code = f"{pre}import sys; from tokentrace.cli import main; sys.argv = ['tokentrace'] + {args!r}; main()"
+    code = f"{pre}import sys; from tokentrace.app.cli import main; sys.argv = ['tokentrace'] + {args!r}; main()"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env=env)
 
@@ -253,10 +254,89 @@ def test_only_the_spark_module_imports_pyspark_or_sqlglot():
                 if any(n.split(".")[0] in ("pyspark", "sqlglot") for n in names):
                     found.append(path.relative_to(REPO).as_posix())
     assert set(found) == {"analyzers/spark_engine.py"}
-    code = ("import sys, tokentrace, analyzers.analysis, tokentrace.report; "
+    code = ("import sys, tokentrace, analyzers.analysis, tokentrace.app.report; "
             "tokentrace.open(sys.argv[1]).analyze().latency(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'sqlglot', 'py4j')))")
     done = subprocess.run([sys.executable, "-c", code, str(REAL_STORE)], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_every_saved_fact_equals_the_fact_built_now_on_spark(spark, tmp_path):
+    """The facts' door on Spark: each fact of the registry read from the run's saved file (written by DuckDB) and
+    built now by Spark from the part files give the same columns, types and rows."""
+    import shutil
+
+    import pyarrow as pa
+
+    from analyzers import facts
+    from analyzers.derivation import FACTS, derive
+
+    shutil.copytree(REAL_STORE, tmp_path / "real")
+    run = tokentrace.open(tmp_path / "real")
+    derive(run)
+    saved = Source.of_run(run, engine=SparkEngine(spark=spark))
+    built = Source.of_run(run, engine=SparkEngine(spark=spark))
+    built._cache["saved_facts"] = {}  # this source builds every fact from the part files
+    try:
+        for fact in FACTS:
+            assert facts.is_saved(saved, fact) and not facts.is_saved(built, fact), fact.name
+            a = saved.arrow(fact.rows_sql(facts.relation(saved, fact)))
+            b = built.arrow(fact.rows_sql(facts.relation(built, fact)))
+            assert a.schema.names == b.schema.names == list(fact.names), fact.name
+            assert [f.type for f in a.schema] == [f.type for f in b.schema] == [c.type for c in fact.columns]
+            keys = [n for n, t in zip(fact.names, a.schema.types) if not pa.types.is_list(t)]
+            fa = a.to_pandas().sort_values(keys, kind="stable").reset_index(drop=True)
+            fb = b.to_pandas().sort_values(keys, kind="stable").reset_index(drop=True)
+            for name, t in zip(fact.names, a.schema.types):
+                if pa.types.is_list(t):
+                    for x, y in zip(fa[name], fb[name]):
+                        np.testing.assert_allclose(np.asarray(x, float), np.asarray(y, float), rtol=RTOL)
+                    fa, fb = fa.drop(columns=name), fb.drop(columns=name)
+            pd.testing.assert_frame_equal(fa, fb, check_exact=False, rtol=RTOL, obj=fact.name)
+            assert len(fa) or fact.name.startswith("spec_"), fact.name  # the real run did not speculate
+            if fact.select_only is not None:  # some rows, built for their keys alone on Spark
+                alone = Source.of_run(run, engine=SparkEngine(spark=spark))
+                alone._cache["saved_facts"] = {}
+                try:
+                    some = fa[list(fact.keys)].iloc[::3].drop_duplicates().reset_index(drop=True)
+                    alone.register("some_keys", some)
+                    got = alone.df(facts.rows_for(alone, fact, "some_keys"))
+                    assert not facts.is_at_hand(alone, fact), fact.name
+                finally:
+                    alone.close()
+                want = fa.merge(some, on=list(fact.keys))
+                got = got.sort_values(keys, kind="stable").reset_index(drop=True)
+                pd.testing.assert_frame_equal(want.sort_values(keys, kind="stable").reset_index(drop=True),
+                                              got.astype(want.dtypes.to_dict()), check_exact=False, rtol=RTOL,
+                                              obj=f"{fact.name}: rows_for")
+    finally:
+        saved.close()
+        built.close()
+
+
+def test_query_parameters_on_both_engines(spark):
+    given = {n: t for n, t in _colocated_sim(HandMade()).tables().items() if n in ("requests", "instances")}
+    sql = f"SELECT COUNT(*) AS n FROM requests WHERE {col.REQUEST_ID} = ? OR {col.TENANT} = ?"
+    rid = int(given["requests"].column(col.REQUEST_ID)[0].as_py())
+    duck = Source.of_tables(**given)
+    on_spark = Source.of_tables(engine=SparkEngine(spark=spark), **given)
+    try:
+        expected = int(duck.df(sql, [rid, "no such tenant"])["n"][0])
+        assert expected >= 1
+        assert int(on_spark.df(sql, [rid, "no such tenant"])["n"][0]) == expected
+    finally:
+        duck.close()
+        on_spark.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_diagnosis_is_the_same_on_both_engines(spark):
+    """Every missed request's causes, gaps and the ranked summary of the real run, class targets and tighter
+    ones, DuckDB against Spark (the diagnosis's SQL translated; its rules run on the fetched rows)."""
+    run = tokentrace.open(REAL_STORE)
+    duck, on_spark = run.analyze(engine="duckdb"), run.analyze(engine=SparkEngine(spark=spark))
+    got = _compare(duck, on_spark, [("diagnosis", {}), ("diagnosis", {"ttft_ms": 200.0, "itl_ms": 30.0})], "real")
+    assert got["diagnosis"].num_missed > 0 and "burst" in set(got["diagnosis"].summary["cause"])
+    on_spark.source.close()

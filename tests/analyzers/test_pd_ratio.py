@@ -127,3 +127,16 @@ def test_empty_store(handmade):
     report = pd_ratio(handmade.source())
     assert report.utilisation.empty and report.pools.empty and report.watermarks.empty
     assert report.recommendation.empty
+
+
+def test_one_kv_transfer_share_of_itl_the_stage_breakdowns(handmade):
+    """r1's transfer.kv of token 1 runs 50-110 ms, but token 1's interval starts at 100 (token 0 delivered): only
+    10 ms of it is in ITL, as the stage breakdown counts it, and the PD section says the same."""
+    from analyzers.stage_breakdown import breakdown
+    h = handmade.instance(1, Role.PREFILL).instance(2, Role.DECODE)
+    h.request(1, 0, 300, prompt=10).tokens(1, [100, 200, 300], inst=2)
+    h.span(1, Stage.TRANSFER_KV, 50, 110, 1, inst=2)
+    row = kv_transfer(h.source()).iloc[0]
+    stage = breakdown(h.source()).set_index("stage").loc["transfer.kv"]
+    assert row["share_of_itl"] == pytest.approx(stage["itl_share"]) == pytest.approx(10 / 200)
+    assert row["transfer_ms"] == pytest.approx(10.0)

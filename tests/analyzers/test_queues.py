@@ -27,9 +27,9 @@ def test_timeline_buckets_steps_by_end_time(handmade):
 def test_queueing_delay_per_class(handmade):
     # r1 interactive waits 0-4 and 6-8 (6 ms); r2 batch waits 10 ms; r3 interactive never waits.
     h = handmade
-    h.request(1, 0, 20).span(1, Stage.SCHEDULE_QUEUE, 0, 4, 0).span(1, Stage.SCHEDULE_QUEUE, 6, 8, 0)
-    h.request(2, 0, 20, cls="batch").span(2, Stage.SCHEDULE_QUEUE, 0, 10, 0)
-    h.request(3, 0, 20)
+    h.request(1, 0, 20).tokens(1, [20]).span(1, Stage.SCHEDULE_QUEUE, 0, 4, 0).span(1, Stage.SCHEDULE_QUEUE, 6, 8, 0)
+    h.request(2, 0, 20, cls="batch").tokens(2, [20]).span(2, Stage.SCHEDULE_QUEUE, 0, 10, 0)
+    h.request(3, 0, 20).tokens(3, [20])
     df = queueing_delay(h.source()).set_index(col.SLO_CLASS)
     assert df.loc["interactive", "count"] == 2
     assert df.loc["interactive", "mean_ms"] == pytest.approx(3.0)
@@ -38,6 +38,14 @@ def test_queueing_delay_per_class(handmade):
     assert df.loc[ALL, "mean_ms"] == pytest.approx(16 / 3)
     assert df.loc[ALL, "p50_ms"] == pytest.approx(6.0)
     assert list(df.index)[-1] == ALL
+
+
+def test_queueing_delay_counts_a_wait_only_inside_the_requests_token_intervals(handmade):
+    # Token 1's queue span starts at 5 ms, while token 0 (delivered at 10) was still on its way: only its 5 ms
+    # inside token 1's interval (10, 20] are the request's latency, as the stage breakdown counts them.
+    h = handmade.request(1, 0, 20).tokens(1, [10, 20]).span(1, Stage.SCHEDULE_QUEUE, 5, 15, 1)
+    df = queueing_delay(h.source()).set_index(col.SLO_CLASS)
+    assert df.loc[ALL, "mean_ms"] == pytest.approx(5.0)
 
 
 @pytest.mark.parametrize(("second_step_running", "l_measured", "error"), [(2, 2.0, 0.0), (1, 1.5, -0.25)])

@@ -188,6 +188,9 @@ def test_the_waterfall_zooms_to_any_token(browser, served, stores):
 
 def test_explorer_pages_on_the_server(browser, served):
     visit(browser, served.url + "/explorer?run=base")
+    deadline = time.time() + 20
+    while _ttft_cells(browser) != sorted(_ttft_cells(browser), reverse=True) and time.time() < deadline:
+        time.sleep(0.1)  # the first page as sorted (slowest first token first), not a render before the sort
     first = _key_cells(browser)
     browser.find_element("css selector", "#explorer-table .next-page").click()
     deadline = time.time() + 20
@@ -196,21 +199,36 @@ def test_explorer_pages_on_the_server(browser, served):
         time.sleep(0.1)
         second = _key_cells(browser)
     assert len(second) == 20 and not set(first) & set(second)
-    e2e = [float(c.text.replace(",", "")) for c in
-           browser.find_elements("css selector", "#explorer-table td[data-dash-column='e2e_ms']")]
-    assert e2e == sorted(e2e, reverse=True)  # still the slowest first
+    ttft = _ttft_cells(browser)
+    assert ttft == sorted(ttft, reverse=True)  # still the slowest first token first
+    # At the 1,400-pixel window every column is in view, the last (tokens) and E2E included: none is cut.
+    seen = browser.execute_script("""
+        const box = document.querySelector('#explorer-table .dash-spreadsheet-container').getBoundingClientRect();
+        return arguments[0].map(c => {
+            const r = document.querySelector(`#explorer-table td[data-dash-column='${c}']`).getBoundingClientRect();
+            return r.right <= box.right + 1 && r.right <= window.innerWidth;
+        });""", ["e2e_ms", col.NUM_OUTPUT_TOKENS])
+    assert seen == [True, True]
     _no_console_errors(browser)
 
 
-def test_compare_flags_the_planted_regression_and_nothing_the_other_way(browser, served):
+def _ttft_cells(browser) -> list[float]:
+    return [float(c.text.replace(",", "")) for c in
+            browser.find_elements("css selector", "#explorer-table td[data-dash-column='ttft_ms']")]
+
+
+def test_compare_judges_one_run_a_side_against_run_to_run_noise(browser, served):
+    # cand is 1.6x slower than base everywhere: one run a side, judged against the documented run-to-run noise
+    # of a shared machine, cannot tell that from noise, and the page says what it could detect instead
     visit(browser, served.url + "/compare?run=cand&base=base")
     summary = browser.find_element("css selector", "#compare-summary")
-    assert "tt-regressions" in summary.get_attribute("class")
-    assert "ttft" in summary.text and "itl" in summary.text
-    red_rows = browser.execute_script("""
-        return Array.from(document.querySelectorAll('#compare-table td[data-dash-column="regression"]'))
-               .filter(td => td.textContent.trim() === 'yes').length;""")
-    assert red_rows >= 2
+    assert "tt-no-regressions" in summary.get_attribute("class") and "past run-to-run noise" in summary.text
+    detectable = browser.find_element("css selector", "#compare-detectable").text
+    assert detectable.startswith("One run a side detects changes of at least") and "TTFT" in detectable
+    verdicts = browser.execute_script("""
+        return Array.from(document.querySelectorAll('#compare-table td[data-dash-column="verdict"]'))
+               .map(td => td.textContent.trim());""")
+    assert "noise" in verdicts and "regression" not in verdicts
     visit(browser, served.url + "/compare?run=base&base=cand")  # the faster run against the slower one
     summary = browser.find_element("css selector", "#compare-summary")
     assert "tt-no-regressions" in summary.get_attribute("class"), summary.text

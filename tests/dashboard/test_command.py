@@ -6,8 +6,8 @@ import inspect
 
 from typer.testing import CliRunner
 
-from tokentrace.cli import app, register_commands
-from tokentrace.cli.commands.dashboard import dashboard_command
+from tokentrace.app.cli import app, register_commands
+from tokentrace.app.cli.commands.dashboard import dashboard_command
 
 register_commands(app)
 runner = CliRunner()

@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 from synthetic_store import write_run
 
-from dashboard.data import DataSource, downsample, series_window_s
+from analyzers.analysis import RunAnalysis
+from dashboard.data import DataSource, downsample, series_window_s, warm_calls
 from tokentrace.schema import col
 from tokentrace.store import StoreError
 
@@ -51,19 +52,19 @@ def test_results_are_cached_per_run_and_arguments(store):
     assert src.cached("one", "k", compute) == 1
     assert src.cached("one", "k", compute) == 1  # from the cache
     assert src.cached("two", "k", compute) == 2  # another run, another entry
-    a = src.result("one", "latency")
-    assert src.result("one", "latency") is a
-    assert src.result("one", "latency", by="tenant") is not a
+    a = src.result("one", RunAnalysis.latency)
+    assert src.result("one", RunAnalysis.latency) is a
+    assert src.result("one", RunAnalysis.latency, by="tenant") is not a
     assert set(a["metric"]) == {"ttft", "tpot", "itl", "e2e"}
 
 
 def test_live_mode_sees_new_files_of_a_run(tmp_path):
     write_run(tmp_path, "grows", num_requests=20, seed=1)
     src = DataSource(tmp_path, live=True)
-    before = src.result("grows", "latency")
+    before = src.result("grows", RunAnalysis.latency)
     n_before = int(before.loc[before["metric"] == "ttft", "count"].iloc[0])
     write_run(tmp_path, "grows", num_requests=25, seed=9)  # a second writer adds its files to the same run
-    after = src.result("grows", "latency")
+    after = src.result("grows", RunAnalysis.latency)
     assert int(after.loc[after["metric"] == "ttft", "count"].iloc[0]) == n_before + 25
 
 
@@ -113,13 +114,14 @@ def test_series_window_comes_from_a_fixed_ladder(seconds, window):
 
 
 def test_first_analysis_of_a_finished_run_derives_its_facts(tmp_path):
-    from analyzers.facts import DERIVED_FACTS
+    from analyzers.derivation import FACTS
     from tokentrace.store.derived import DERIVED_DIR
 
     write_run(tmp_path, "r", num_requests=30, seed=3)
-    first = DataSource(tmp_path).result("r", "stage_breakdown")
-    assert sorted(p.stem for p in (tmp_path / "r" / DERIVED_DIR).iterdir()) == sorted(DERIVED_FACTS)
-    again = DataSource(tmp_path).result("r", "stage_breakdown")  # a fresh process state reads the facts
+    first = DataSource(tmp_path).result("r", RunAnalysis.stage_breakdown)
+    facts = [p for p in (tmp_path / "r" / DERIVED_DIR).glob("*.parquet") if not p.name.startswith(".")]  # not a snapshot
+    assert sorted(p.stem for p in facts) == sorted(f.name for f in FACTS)  # beside each: its digest, readers' snapshots
+    again = DataSource(tmp_path).result("r", RunAnalysis.stage_breakdown)  # a fresh process state reads the facts
     pd.testing.assert_frame_equal(first, again, check_exact=False, rtol=1e-12)
 
 
@@ -128,5 +130,24 @@ def test_a_store_where_facts_cannot_be_written_is_analyzed_from_its_parts(tmp_pa
 
     write_run(tmp_path, "r", num_requests=30, seed=3)
     (tmp_path / "r" / DERIVED_DIR).write_text("a file where the folder would go")  # every write fails
-    lat = DataSource(tmp_path).result("r", "latency")
+    lat = DataSource(tmp_path).result("r", RunAnalysis.latency)
     assert int(lat.loc[lat["metric"] == "ttft", "count"].iloc[0]) == 30
+
+
+def test_analyses_are_called_not_named(store):
+    src = DataSource(store)
+    with pytest.raises(TypeError, match="RunAnalysis method"):
+        src.result("one", "latency")  # a name string is refused: the analysis is the method itself
+    cdf = src.result("one", RunAnalysis.capacity_cdf)  # capacity is part of RunAnalysis
+    assert src.result("one", RunAnalysis.capacity_cdf) is cdf and set(cdf["metric"]) >= {"ttft", "itl"}
+    warm = warm_calls(src.info("one"))
+    assert all(callable(analysis) for analysis, _ in warm)
+    assert RunAnalysis.capacity_load_latency in [analysis for analysis, _ in warm]
+
+
+def test_compare_reads_the_runs_against_run_to_run_noise(store):
+    src = DataSource(store)
+    df = src.compare("two", "one")
+    assert src.compare("two", "one") is df
+    assert {"verdict", "min_detectable", "noise_source"} <= set(df.columns)
+    assert (df["runs_baseline"].dropna() <= 1).all()

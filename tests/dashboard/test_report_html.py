@@ -15,9 +15,9 @@ from typing import Any
 from browser import screenshot, severe_logs
 from conftest import SCREENSHOTS
 
+from tokentrace.app.report import make_report, render
+from tokentrace.app.report.plotly_bundle import BUNDLE_NAME, TRACE_TYPES, bundle_text
 from tokentrace.palette import label_colour
-from tokentrace.report import make_report, render
-from tokentrace.report.plotly_bundle import BUNDLE_NAME, TRACE_TYPES, bundle_text
 
 # Per chart: drawn (plotly's layout and SVG exist), trace types, finite values; the resources fetched.
 _CHARTS_JS = """

@@ -18,7 +18,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "analyzers"))  # the s
 
 from session_runs import run_sessions  # noqa: E402
 
-from tokentrace.report.sessions import NO_SESSIONS  # noqa: E402
+from tokentrace.app.report.sessions import NO_SESSIONS  # noqa: E402
 from tokentrace.schema import col  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

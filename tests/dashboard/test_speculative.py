@@ -17,9 +17,9 @@ from conftest import SCREENSHOTS
 from speculative_store import ENGINE_ID, write_speculative_run
 from synthetic_store import write_run
 
+from tokentrace.app.report import make_report, render
+from tokentrace.app.report.speculative import NO_SPECULATION
 from tokentrace.palette import stage_colour
-from tokentrace.report import make_report, render
-from tokentrace.report.speculative import NO_SPECULATION
 from tokentrace.schema import Stage
 
 pytestmark = pytest.mark.timeout(120)

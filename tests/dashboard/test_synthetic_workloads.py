@@ -107,7 +107,7 @@ def test_the_sessions_view_lists_a_bounded_part_of_many_sessions(tmp_path: Path)
     create_app(tmp_path)  # registers the pages
     from dashboard.pages import sessions as view
     src = DataSource(tmp_path)
-    rep = src.result("many", "sessions")
+    rep = src.result("many", RunAnalysis.sessions)
     assert len(rep.sessions) > view.MAX_LISTED_SESSIONS
     found: dict[str, object] = {}
 

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
 
-from tokentrace.demo import DemoOptions, run_demo
+from tokentrace.app.demo import DemoOptions, run_demo
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

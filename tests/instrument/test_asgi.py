@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
+import sys
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -22,6 +21,9 @@ from instrument.sse import SseScanner, classify_event
 from tokentrace.recorder import BufferedRecorder, Recorder
 from tokentrace.recorder.sink import InMemorySink
 from tokentrace.schema import REQUESTS, SPANS, TOKENS, RequestStatus, Stage, col, request_id_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the deployments helpers
+from deployments import serve_app  # noqa: E402
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -64,22 +66,8 @@ def _app() -> Starlette:
                              Route("/health", lambda r: JSONResponse({"ok": True}))])
 
 
-@contextlib.contextmanager
-def _serve(app) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)  # waiting for uvicorn's start-up flag
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
+def _serve(app: Any) -> contextlib.AbstractContextManager[str]:
+    return serve_app(app, lifespan="off", timeout_s=20)
 
 
 def _wait_rows(rec: Recorder, sink: InMemorySink, n: int) -> None:
@@ -107,7 +95,7 @@ def traced():
 
 
 def _rows(sink: InMemorySink, table: str, key: str) -> list[dict]:
-    rid = request_id_of(key)
+    (rid,) = {r[col.REQUEST_ID] for r in sink.table(REQUESTS.name).to_pylist() if r[col.REQUEST_KEY] == key}
     return [r for r in sink.table(table).to_pylist() if r[col.REQUEST_ID] == rid]
 
 
@@ -222,3 +210,38 @@ def test_sampling_in_front_of_the_middleware_keeps_only_failed_requests():
     # "fine": request row + accept and receive spans + 3 tokens + 8 stream.send spans (role,
     # 3 tokens with one split in two writes, finish, usage, [DONE])
     assert sampler.sampling_counters[SAMPLED_OUT] == 1 + 2 + 3 + 8
+
+
+def test_one_request_id_from_two_tenants_is_two_requests(traced):
+    url, rec, sink = traced
+    body = {"prompt": "a b", "max_tokens": 3, "stream": True}
+    for tenant in ("acme", "globex"):  # one after the other: acme's request is finished when globex's comes
+        r = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "req-collide", "X-Tenant": tenant})
+        assert r.status_code == 200
+    _wait_rows(rec, sink, 2)
+    requests = [r for r in sink.table(REQUESTS.name).to_pylist() if r[col.REQUEST_KEY] == "req-collide"]
+    assert sorted(r[col.TENANT] for r in requests) == ["acme", "globex"]
+    ids = {r[col.TENANT]: r[col.REQUEST_ID] for r in requests}
+    assert ids["acme"] != ids["globex"]
+    for table in (TOKENS.name, SPANS.name):  # each request's rows under its own id: 3 tokens each, never 6
+        rows = sink.table(table).to_pylist()
+        for tenant, rid in ids.items():
+            mine = [r for r in rows if r[col.REQUEST_ID] == rid]
+            assert mine, (table, tenant)
+            if table == TOKENS.name:
+                assert sorted(r[col.TOKEN_INDEX] for r in mine) == [0, 1, 2]
+
+
+def test_label_headers_are_capped_like_every_other_path(traced):
+    url, rec, sink = traced
+    from tokentrace.schema import MAX_LABEL_CHARS
+
+    huge = {"X-Tenant": "t" * 100_000, "X-Request-Id": "r" * 8_000, "X-SLO-Class": "s" * 8_000}
+    r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers=huge)
+    assert r.status_code == 200
+    _wait_rows(rec, sink, 1)
+    (row,) = sink.table(REQUESTS.name).to_pylist()
+    assert row[col.TENANT] == "t" * MAX_LABEL_CHARS
+    assert row[col.REQUEST_KEY] == "r" * MAX_LABEL_CHARS
+    assert row[col.SLO_CLASS] == "s" * MAX_LABEL_CHARS
+    assert row[col.REQUEST_ID] == request_id_of("r" * 8_000, "t" * 100_000)  # the id of the capped labels

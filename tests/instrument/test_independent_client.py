@@ -6,15 +6,19 @@ and disaggregated, on an idle machine and with both cores oversubscribed by busy
 For each request the client's window is [its send, the last chunk's arrival] (and, for
 TTFT, [its send, the first chunk's arrival]); the union of every server-side span of the
 request (all processes, on the run's reference clock) must cover at least 99% of the
-windows' total time. Arrivals are the client kernel's receive timestamps, so the client's
-own scheduling on an oversubscribed machine does not count against the server. What no server process can see (the
+windows' total time. The send and the arrivals are the client kernel's transmit and receive
+timestamps (each read stopping at an event's end), so the client's own scheduling on an
+oversubscribed machine does not count against the server. What no server process can see (the
 request's bytes in flight before the gateway's loop read them, the last chunk's bytes
 after it wrote them) is all that may be missing.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,6 +63,50 @@ def covered_ns(intervals: np.ndarray, lo: int, hi: int) -> int:
 ])
 def test_covered_ns(intervals, lo, hi, expected):
     assert covered_ns(np.array(intervals, dtype=np.int64).reshape(-1, 2), lo, hi) == expected
+
+
+def _serve_events(gap_s: float) -> tuple[str, list[int], threading.Thread, socket.socket]:
+    """A bare HTTP server for one request: a head and an event, ``gap_s`` later a second event
+    and [DONE]. Yields (url, [monotonic ns its read of the request returned], thread, socket)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    received: list[int] = []
+    events = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.recv(65536)
+            received.append(time.monotonic_ns())
+            body = b"".join(events)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + events[0])
+            time.sleep(gap_s)
+            conn.sendall(events[1] + events[2])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", received, thread, server
+
+
+@pytest.mark.parametrize("gap_s, first_read_after_s", [(0.5, 0.0), (0.05, 1.0)], ids=["prompt", "late"])
+def test_the_raw_client_times_the_send_and_each_event_by_the_kernel(gap_s: float, first_read_after_s: float) -> None:
+    """The send is the kernel's transmit time (between the call and the server's read of it);
+    events are the kernel's receive times, apart as sent when read promptly, and before the
+    read when the client reads late."""
+    url, received, thread, server = _serve_events(gap_s)
+    try:
+        before = time.monotonic_ns()
+        res = raw_stream(url, "k", {"prompt": "x"}, timeout_s=60, first_read_after_s=first_read_after_s)
+    finally:
+        thread.join(60)
+        server.close()
+    assert res.status == 200 and res.done and len(res.chunk_ns) == 2, res
+    assert before <= res.send_ns <= received[0] < res.chunk_ns[0] <= res.chunk_ns[1], (before, received, res)
+    if first_read_after_s:
+        assert res.chunk_ns[1] < min(res.read_ns), res  # arrivals, not the late read's time
+    else:
+        assert res.chunk_ns[1] - res.chunk_ns[0] >= gap_s * 1e9, res
 
 
 def run_clients(url: str, model: str = "tiny", *, num_requests: int = NUM_REQUESTS,

@@ -85,9 +85,10 @@ def _alive(pid: int) -> bool:
 
 @contextmanager
 def deployment(store: Path, run: str, args: list[str]) -> Iterator[Deployment]:
-    cmd = [sys.executable, "-c", "from tokentrace.cli import main; main()", "run", "--store", str(store), "--run",
+    cmd = [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(store), "--run",
            run, "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", "tiny", "--device", "cpu",
-           "--block-size", "4", "--num-device-blocks", "512", "--delay", "decode_step=4ms", *args]
+           "--block-size", "4", "--num-device-blocks", "512", "--delay", "decode_step=4ms",
+           "--no-restart-workers", *args]  # a killed worker stays dead: the writers counted are the ones killed
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -276,3 +277,39 @@ def test_killing_a_colocated_worker_and_then_the_gateway_leaves_no_process_and_n
     assert fragments[by_name["colocated-1"]]["closed"]  # exited on its own, flushed at exit
     assert fragments[by_name["colocated-0"]]["ended_without_closing"]
     assert _client_chunks_missing(run, load, killed_gateway - BUDGET_NS) == []
+
+
+@contextmanager
+def busy_loops(num: int) -> Iterator[None]:
+    """``num`` processes spinning on the CPU (each ends by itself after 5 minutes at most), killed on exit."""
+    code = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
+    loops = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(num)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def test_killing_the_whole_deployment_with_two_busy_loops_loses_at_most_a_second(tmp_path):
+    # Twice as many runnable processes as a 2-core machine has cores: the flush threads get the CPU only part
+    # of the time, and the crash journal must still hold every event older than the budget.
+    with busy_loops(2), deployment(tmp_path, "busy", ["--mode", "disagg", "--router", "load"]) as dep:
+        pids = {**dep.worker_pids(), "gateway": dep.launcher_pid()}
+        load = Load(dep.url).start()
+        try:
+            _wait_for_part(tmp_path / "busy", TOKENS.name)
+            time.sleep(2.0)  # events after the last part: in the journal only
+            killed = time.monotonic_ns()
+            os.killpg(dep.proc.pid, signal.SIGKILL)
+            dep.proc.wait(timeout=60)
+        finally:
+            load.stop()
+    _wait_dead(pids)
+    run = open_run(tmp_path, "busy")
+    last = _last_event_ns(run)
+    assert {"prefill-0", "decode-0"} <= set(last), (last, dep.stderr[-20:])
+    lost = {name: killed - t for name, t in last.items()}
+    assert all(gap <= BUDGET_NS for gap in lost.values()), {n: f"{g / 1e9:.3f} s" for n, g in lost.items()}
+    assert _client_chunks_missing(run, load, killed - BUDGET_NS) == []

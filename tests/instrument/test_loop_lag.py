@@ -93,3 +93,85 @@ def test_the_analyzer_splits_stage_time_inside_and_outside_late_ticks():
 def test_no_sampled_loop_gives_empty_tables():
     lag = loop_lag(Source.of_tables(spans=SPANS.schema.empty_table()))
     assert lag.is_empty and len(lag.stages) == 0
+
+
+def test_a_poke_just_before_the_tick_is_due_stands_in_for_it():
+    """A traced callback running while nothing else waits takes the place of a tick due soon: the
+    tick moves a period on. Before the window, or with callbacks waiting, it changes nothing."""
+    rec = BufferedRecorder(InMemorySink(), instance_id=1, flush_interval_s=60)
+    sampler = LoopLagSampler(rec, period_ns=10_000 * MS, defer_window_ns=5_000 * MS)  # no tick runs in the test
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        sampler.ensure_running()
+        window = sampler.poke_from_ns
+        sampler.poke(window - 1)  # too early: the tick stays
+        moved = [sampler.num_deferred, sampler.poke_from_ns == window]
+        loop.call_soon(lambda: None)  # another callback waits: the loop may yet run the tick late
+        sampler.poke(window)
+        moved += [sampler.num_deferred, sampler.poke_from_ns == window]
+        await asyncio.sleep(0)  # (it ran)
+        sampler.poke(window)
+        moved += [sampler.num_deferred, sampler.poke_from_ns > window]
+        sampler.close()
+        sampler.poke(sampler.poke_from_ns)  # closed: nothing
+        moved.append(sampler.num_deferred)
+        return moved
+
+    assert asyncio.run(main()) == [0, True, 0, True, 1, True, 1]
+    assert sampler.num_ticks == 0
+    rec.close()
+
+
+def test_a_loop_blocked_between_pokes_is_still_recorded():
+    """Pokes (a token written every half millisecond) move the ticks on while the loop is responsive;
+    a 50 ms block stops the pokes, and the tick pending then runs late and is recorded."""
+    sink = InMemorySink()
+    rec = BufferedRecorder(sink, instance_id=3, flush_interval_s=60)
+    sampler = LoopLagSampler(rec, period_ns=5 * MS, min_lag_ns=2 * MS)
+
+    async def streamer(until: float) -> None:
+        while time.monotonic() < until:
+            await asyncio.sleep(0.0005)
+            t = time.monotonic_ns()
+            if t >= sampler.poke_from_ns:
+                sampler.poke(t)
+
+    async def main() -> None:
+        sampler.ensure_running()
+        task = asyncio.create_task(streamer(time.monotonic() + 0.12))
+        await asyncio.sleep(0.04)
+        time.sleep(0.05)  # a callback that holds the loop for 50 ms
+        await task
+        sampler.close()
+
+    asyncio.run(main())
+    rec.flush()
+    rows = sink.table(LOOP_LAGS.name).to_pylist()
+    rec.close()
+    assert rows, repr(sampler)
+    longest = max(r[col.END_NS] - r[col.START_NS] for r in rows)
+    assert longest >= 40 * MS  # the planted 50 ms, less the tick period it may have overlapped
+
+
+def test_an_idle_server_is_not_sampled_until_its_next_request():
+    """A tick that finds no request in flight is the last; the next request's ensure_running resumes."""
+    rec = BufferedRecorder(InMemorySink(), instance_id=1, flush_interval_s=60)
+    in_flight = []
+    sampler = LoopLagSampler(rec, period_ns=5 * MS, is_idle=lambda: not in_flight)
+
+    async def main() -> list[int]:
+        sampler.ensure_running()
+        await asyncio.sleep(0.05)
+        idle_ticks = sampler.num_ticks  # the first tick found the server idle: no other ran
+        in_flight.append("request")
+        sampler.ensure_running()
+        await asyncio.sleep(0.03)  # the tick due 5 ms after resuming ran before this sleep ended
+        busy_ticks = sampler.num_ticks
+        sampler.close()
+        return [idle_ticks, busy_ticks]
+
+    idle_ticks, busy_ticks = asyncio.run(main())
+    assert idle_ticks == 1
+    assert busy_ticks >= 2
+    rec.close()

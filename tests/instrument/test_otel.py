@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from instrument import semconv as sc
-from instrument.otel_export import export_run_to_otel
 from instrument.otlp_decode import PayloadError, decode_request
 from instrument.otlp_ingest import PAYLOADS_REJECTED, SPANS_IGNORED, SPANS_MAPPED, LlmRequestMapper
+from tokentrace.app.export.otlp import export_run_to_otel
 from tokentrace.clock import Anchor, now_ns
 from tokentrace.recorder import BufferedRecorder
 from tokentrace.recorder.sink import InMemorySink
@@ -160,7 +160,7 @@ def test_malformed_payloads_raise_payload_error(body, ctype, fragment):
 # --------------------------------------------------------------------------- ingest, real receiver
 
 def _ingest_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from tokentrace.cli import main; main()", "ingest-otlp", *args]
+    return [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "ingest-otlp", *args]
 
 
 @contextlib.contextmanager
@@ -326,13 +326,13 @@ def test_grpc_listen_errors_exit_before_creating_the_store(tmp_path):
         busy = subprocess.run(_ingest_cmd("--listen", "127.0.0.1:0", "--grpc-listen", f"127.0.0.1:{port}",
                                           "--store", str(store)), capture_output=True, text=True, env=env,
                               cwd=REPO, timeout=60)
-    assert busy.returncode == 1 and "Traceback" not in busy.stderr
+    assert busy.returncode == 2 and "Traceback" not in busy.stderr
     assert f"cannot listen for OTLP/gRPC on 127.0.0.1:{port}: Address already in use" in busy.stderr
     bad = subprocess.run(_ingest_cmd("--grpc-listen", "4317", "--store", str(store)), capture_output=True,
                          text=True, env=env, cwd=REPO, timeout=60)
     assert bad.returncode == 2 and "--grpc-listen must be HOST:PORT, e.g. 127.0.0.1:4317" in bad.stderr
     no_grpc = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['grpc'] = None; from tokentrace.cli import main; main()",
+        [sys.executable, "-c", "import sys; sys.modules['grpc'] = None; from tokentrace.app.cli import main; main()",
          "ingest-otlp", "--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--store", str(store)],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert no_grpc.returncode == 2 and "pip install 'tokentrace[otlp-grpc]'" in no_grpc.stderr

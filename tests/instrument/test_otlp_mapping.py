@@ -23,10 +23,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 import tokentrace
 from instrument import semconv as sc
-from instrument.otel_export import export_run_to_otel
 from instrument.otlp_decode import PROTOBUF
 from instrument.otlp_requests import IngestOptions, header_attribute
 from instrument.otlp_server import store_ingestor
+from tokentrace.app.export.otlp import export_run_to_otel
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, TOKENS, RequestStatus, Stage, col
 from tokentrace.store import StoreWriter
 
@@ -240,6 +240,7 @@ def _snapshot(run) -> tuple[dict, Counter, Counter]:
     arrival: dict[int, int] = {}
     reqs: dict[str, tuple] = {}
     rows = sorted(run.table(REQUESTS.name).to_pylist(), key=lambda r: (r[col.REQUEST_KEY], r[col.ARRIVAL_NS] or 0))
+    key_of = {r[col.REQUEST_ID]: r[col.REQUEST_KEY] for r in rows}  # ids as keys: how ids are drawn is not compared
     merged: dict[str, dict] = defaultdict(dict)
     for r in rows:
         shift = clocks.offset(r[col.INSTANCE_ID])
@@ -259,10 +260,11 @@ def _snapshot(run) -> tuple[dict, Counter, Counter]:
         for c in (col.FIRST_CONTENT_NS,):
             if r[c] is not None:
                 m[c] = min(m.get(c, r[c] + shift), r[c] + shift)
+    id_of = {key: rid for rid, key in key_of.items()}
     for key, m in merged.items():
-        a = arrival[tokentrace.schema.request_id_of(key)]
+        a = arrival[id_of[key]]
         reqs[key] = tuple(sorted((k, v - a if k.endswith("_ns") else v) for k, v in m.items()))
-    spans = Counter((inst[s[col.INSTANCE_ID]], s[col.REQUEST_ID], s[col.STAGE], s[col.TOKEN_INDEX],
+    spans = Counter((inst[s[col.INSTANCE_ID]], key_of[s[col.REQUEST_ID]], s[col.STAGE], s[col.TOKEN_INDEX],
                      s[col.START_NS] + clocks.offset(s[col.INSTANCE_ID]) - arrival[s[col.REQUEST_ID]],
                      s[col.END_NS] - s[col.START_NS], s[col.STEP], s[col.NUM_BYTES], s[col.TIER], s[col.BATCH_SIZE])
                     for s in run.table(SPANS.name).to_pylist() if s[col.REQUEST_ID] in arrival)
@@ -270,7 +272,7 @@ def _snapshot(run) -> tuple[dict, Counter, Counter]:
     for t in run.table(TOKENS.name).to_pylist():
         for kind in (col.EMIT_NS, col.SENT_NS, col.RECV_NS):
             if t[kind] is not None and t[col.REQUEST_ID] in arrival:
-                tokens[(inst[t[col.INSTANCE_ID]], t[col.REQUEST_ID], t[col.TOKEN_INDEX], kind,
+                tokens[(inst[t[col.INSTANCE_ID]], key_of[t[col.REQUEST_ID]], t[col.TOKEN_INDEX], kind,
                         t[kind] + clocks.offset(t[col.INSTANCE_ID]) - arrival[t[col.REQUEST_ID]], t[col.STEP])] += 1
     return reqs, spans, tokens
 
@@ -308,7 +310,7 @@ def test_export_command_to_a_running_ingest_otlp_reproduces_the_run(tmp_path: Pa
 
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(repo))
-    cli = [sys.executable, "-c", "from tokentrace.cli import main; main()"]
+    cli = [sys.executable, "-c", "from tokentrace.app.cli import main; main()"]
     receiver = subprocess.Popen([*cli, "ingest-otlp", "--listen", "127.0.0.1:0", "--store", str(tmp_path),
                                  "--run", "otlp"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=repo, env=env)

@@ -129,3 +129,22 @@ def test_prefix_hit_is_recorded_as_cache_event():
     cached = {r[col.REQUEST_ID]: r[col.NUM_CACHED_TOKENS] for r in _rows(sink, "requests")}
     assert cached[request_id_of("b")] >= 40 and cached[request_id_of("a")] == 0
     _check_invariant(sink, ["a", "b"])
+
+
+def test_a_prefix_evicted_between_two_requests_is_recorded_as_miss_evicted():
+    prefix = "the same long system prompt shared by a and c. "  # 48 tokens: 12 full blocks of 4
+    sink = InMemorySink()
+    rec = BufferedRecorder(sink, instance_id=9)
+    engine = Engine(EngineConfig(model="tiny", block_size=4, num_device_blocks=16))
+    engine.add_observer(EngineTracer(rec))
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    for rid, prompt in (("a", prefix + "one"), ("b", "x" * 56), ("c", prefix + "two")):  # b evicts a's blocks
+        engine.add_request(rid, prompt, sp)
+        while engine.has_unfinished():
+            engine.step()
+    rec.close()
+    events = [e for e in _rows(sink, "cache_events") if e[col.KIND] == CacheEventKind.MISS_EVICTED]
+    assert [e[col.REQUEST_ID] for e in events] == [request_id_of("c")]
+    cached = {r[col.REQUEST_ID]: r[col.NUM_CACHED_TOKENS] for r in _rows(sink, "requests")}[request_id_of("c")]
+    assert events[0][col.NUM_BLOCKS] > 0 and events[0][col.NUM_TOKENS] == 4 * events[0][col.NUM_BLOCKS]
+    assert cached + events[0][col.NUM_TOKENS] == 48  # what it found plus what it had lost: a's whole prefix

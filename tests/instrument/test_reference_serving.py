@@ -266,6 +266,12 @@ def test_disaggregated_cluster_with_a_skewed_worker_clock(tmp_path: Path) -> Non
     assert len(kv) >= 4 and (kv[col.NUM_BYTES] > 0).all() and (kv[col.TOKEN_INDEX] == 1).all()
     moved = kv.groupby(col.REQUEST_ID).apply(lambda g: (g[col.END_NS] - g[col.START_NS]).sum())
     assert (moved >= 20_000_000).all(), moved  # the planted 20 ms lands in transfer.kv
+    # ...in the prefill worker's own piece: it slept before its first chunk left, so the time is its own
+    prefill_id = inst.index[inst[col.ROLE] == Role.PREFILL][0]
+    sender = kv[kv[col.INSTANCE_ID] == prefill_id]
+    assert set(sender[col.REQUEST_ID]) == set(kv[col.REQUEST_ID])
+    assert ((sender[col.END_NS] - sender[col.START_NS]) >= 20_000_000).all()
+    assert kv[col.INSTANCE_ID].nunique() == 3  # sender, gateway (the wire) and receiver each hold their part
     one = times[times[col.TOKEN_INDEX] == 1].set_index(col.REQUEST_ID)
     stages = [s.label for s in Stage]
     assert (one[stages].idxmax(axis=1) == "transfer.kv").all()  # and it dominates token 1's interval

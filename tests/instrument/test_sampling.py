@@ -72,7 +72,7 @@ def test_rate_keeps_about_rate_times_n_and_the_same_requests_everywhere():
     assert kept[0] == kept[1]
     sigma = math.sqrt(n * rate * (1 - rate))
     assert abs(len(kept[0]) - rate * n) < 4 * sigma
-    assert kept[0] == {k for k in keys if request_id_of(k) < rate * 2**63}
+    assert kept[0] == {k for k in keys if request_id_of(k, "t") < rate * 2**63}
 
 
 def test_slow_and_failed_requests_are_always_kept_whole():
@@ -85,7 +85,7 @@ def test_slow_and_failed_requests_are_always_kept_whole():
     _request(rec, "fast-2", 0, ttft_ns=10 * MS, e2e_ns=100 * MS)  # at the thresholds: not over
     rec.close()
     assert _kept_keys(sink) == {"slow-ttft", "slow-e2e", "failed", "no-token-stuck"}
-    slow = request_id_of("slow-ttft")
+    slow = request_id_of("slow-ttft", "t")
     spans = [r for r in sink.table(SPANS.name).to_pylist() if r[col.REQUEST_ID] == slow]
     tokens = [r for r in sink.table(TOKENS.name).to_pylist() if r[col.REQUEST_ID] == slow]
     assert len(spans) == 3 and sorted(t[col.TOKEN_INDEX] for t in tokens) == [0, 1, 2]

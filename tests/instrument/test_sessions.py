@@ -4,19 +4,16 @@ attribute), through the ASGI middleware, the reference gateway's tracer and OTLP
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ASGI and OTLP tests' servers and span builders
+from deployments import serve_app  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from test_asgi import _app, _serve, _wait_rows  # noqa: E402
 from test_otlp_mapping import _ingest, _provider, _vllm_request  # noqa: E402
@@ -24,13 +21,13 @@ from test_otlp_mapping import _ingest, _provider, _vllm_request  # noqa: E402
 import tokentrace  # noqa: E402
 from instrument import semconv as sc  # noqa: E402
 from instrument.asgi import TokenTraceMiddleware  # noqa: E402
-from instrument.otel_export import export_run_to_otel  # noqa: E402
 from instrument.reference_engine import EngineTracer  # noqa: E402
 from instrument.reference_gateway import GatewayTracer  # noqa: E402
 from instrument.sessions import SESSION_SOURCE_ENV, SessionSource, parse_turn, session_source  # noqa: E402
 from reference_server.engine.config import EngineConfig  # noqa: E402
 from reference_server.serving.backend import LocalBackend  # noqa: E402
 from reference_server.serving.gateway import GatewayConfig, create_app  # noqa: E402
+from tokentrace.app.export.otlp import export_run_to_otel  # noqa: E402
 from tokentrace.recorder import BufferedRecorder  # noqa: E402
 from tokentrace.recorder.sink import InMemorySink  # noqa: E402
 from tokentrace.schema import REQUESTS, Role, Stage, col  # noqa: E402
@@ -88,23 +85,8 @@ def test_the_asgi_middleware_records_the_configured_session(sessions, headers, b
     assert (row[col.SESSION], row[col.SESSION_TURN]) == expected
 
 
-@contextlib.contextmanager
-def _serve_with_lifespan(app: Any) -> Iterator[str]:
-    """Serve ``app`` on loopback with its lifespan (the gateway starts its backend there)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)  # waiting for uvicorn's start-up flag
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
+def _serve_with_lifespan(app: Any) -> contextlib.AbstractContextManager[str]:
+    return serve_app(app, lifespan="on", timeout_s=20)
 
 
 @pytest.mark.parametrize(("sessions", "expected"), [(None, "hdr-7"), ("user", "body-7")])

@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-RUN = f"{PY} -c 'from tokentrace.cli import main; main()' run"
+RUN = f"{PY} -c 'from tokentrace.app.cli import main; main()' run"
 
 ENGINE_PROGRAM = textwrap.dedent(
     """
@@ -70,7 +70,9 @@ def _in_namespace(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
 
 
 def _tokentrace_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if "tokentrace" in line and "tracing into" not in line]
+    """tokentrace's lines on stderr but the run's first (where it traces into) and last (what it hooked)."""
+    return [line for line in stderr.splitlines() if "tokentrace" in line and "tracing into" not in line
+            and not line.startswith(("tokentrace: hooked ", "tokentrace: ... and "))]
 
 
 def _result(stdout: str) -> dict:
@@ -81,7 +83,7 @@ def _result(stdout: str) -> dict:
 def test_a_store_under_a_file_is_one_warning_and_the_command_runs_untraced(tmp_path):
     a_file = tmp_path / "f"
     a_file.write_text("x")
-    done = subprocess.run([PY, "-c", "from tokentrace.cli import main; main()", "run", "--store", str(a_file / "st"),
+    done = subprocess.run([PY, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(a_file / "st"),
                            "--", PY, "-c", "import os; print('served', 'TOKENTRACE_STORE' in os.environ)"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr

@@ -220,7 +220,7 @@ def test_instrument_with_a_store_it_cannot_open_warns_once_and_leaves_the_server
     assert handle.untraced_reason == f"cannot open the store at {a_file / 'store'}: Not a directory"
     assert [r.getMessage() for r in caplog.records] == [
         f"tokentrace: {handle.untraced_reason}; the program runs on without tracing"]
-    assert engine._observers == observers and handle.adapter is None  # nothing attached to the server
+    assert list(engine._observers) == observers and handle.adapter is None  # nothing attached to the server
     assert tokentrace.api.current() is None  # the manual API stays a no-op
     assert len(engine.generate(["still served"], SamplingParams(max_tokens=2, ignore_eos=True))) == 1
     handle.close()

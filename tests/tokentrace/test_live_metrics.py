@@ -111,7 +111,7 @@ def test_tokentrace_run_metrics_port_reaches_the_traced_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", "from tokentrace.cli import main; main()", "run", "--store",
+    out = subprocess.run([sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store",
                           str(tmp_path), "--run", "r", "--metrics-port", str(port), "--", sys.executable, "-c", SCRIPT],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -51,7 +51,7 @@ def test_unknown_stage_label_names_the_valid_ones():
 
 def test_every_table_has_documented_columns_with_units():
     assert set(TABLES) == {"requests", "spans", "tokens", "steps", "cache_events", "loop_lags", "spec_steps",
-                           "instances"}
+                           "instances", "engine_configs"}
     for t in TABLES.values():
         assert t.doc
         for c in t.columns:

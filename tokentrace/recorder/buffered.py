@@ -20,7 +20,7 @@ Contracts shared by every event method (``span``, ``stage_begin``,
   (``counters["dropped_<table>"]``), never queued.
 
 The thread-safety argument (GIL-atomic appends, prefix-only drains) is in
-``tokentrace.recorder.buffers``; the flush thread is in ``tokentrace.recorder.flusher``.
+``tokentrace.recorder.buffers``; the flush and journal threads are in ``tokentrace.recorder.flusher``.
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ class BufferedRecorder:
     journaled, i.e. the most a SIGKILLed process loses; ``None`` turns the
     journal off. Parts are still cut every ``flush_interval_s``.
 
-    Lifecycle: a daemon thread flushes in the background; :meth:`close` (also
-    run at interpreter exit) flushes the rest and closes the sink. After
+    Lifecycle: a daemon thread flushes in the background (and, journaling, a
+    second one keeps the crash journal); :meth:`close` (also run at
+    interpreter exit) flushes the rest and closes the sink. After
     ``os.fork()`` the child starts afresh: empty buffers, zero counters, its
-    own flush thread and, if the sink has ``fork_child()``, the sink that
+    own threads and, if the sink has ``fork_child()``, the sink that
     returns (and its ``instance_id``, if it has one); the parent's unflushed
     events stay with the parent.
     """
@@ -326,7 +327,8 @@ class BufferedRecorder:
     def request_begin(self, key: str, *, tenant: str = "", slo_class: str = "", arrival_ns: int,
                       num_prompt_tokens: int = -1, trace_id: str = "", session: str = "",
                       session_turn: int = -1) -> int:
-        """Note a request's arrival; returns its ``request_id`` (``request_id_of(key)``).
+        """Note a request's arrival; returns its ``request_id`` (``request_id_of(key, tenant)``:
+        a key names a request among its tenant's only).
 
         ``session``: the session (conversation) the request is a turn of, interned like
         the tenant; ``session_turn``: its 0-based turn, ``-1`` when unknown.
@@ -439,6 +441,13 @@ class BufferedRecorder:
         out["sink_errors"] = f.sink_errors
         out["buffered"] = sum(b.num_rows() for b in self._bufs.values()) + f.num_journaled
         return out
+
+    def headroom(self) -> dict[str, tuple[int, int]]:
+        """Each table's ``(free rows, capacity rows)``: how many more rows it takes before its share
+        of the memory cap refuses them, and how many that share holds in all. Rows buffered, journaled
+        or being written hold their place until their part is written (:meth:`flush` frees them).
+        Any thread; for producers that can wait (a bulk import), not the hot path."""
+        return {name: (len(b.slots), b.capacity_rows) for name, b in self._bufs.items()}
 
     def flush(self) -> None:
         """Write everything recorded so far to the sink (any thread; blocks on the sink)."""

@@ -14,7 +14,7 @@ import itertools
 
 from tokentrace.recorder.buffers import LAYOUTS, TableBuffer
 from tokentrace.recorder.interning import NO_STRING, Labels, SideStrings
-from tokentrace.schema import NULL_INT, REQUESTS, request_id_of
+from tokentrace.schema import NULL_INT, REQUESTS, cap_label, request_id_of
 
 __all__ = ["RequestRows", "OPEN_REQUEST_BYTES"]
 
@@ -50,11 +50,13 @@ class RequestRows:
 
     def begin(self, key: str, tenant: str, slo_class: str, arrival_ns: int, num_prompt_tokens: int,
               trace_id: str, session: str = "", session_turn: int = NULL_INT) -> int:
-        """Keep the request's start; returns ``request_id_of(key)`` or ``NULL_INT`` if invalid."""
+        """Keep the request's start; returns ``request_id_of(key, tenant)`` or ``NULL_INT`` if
+        invalid. Key, tenant, SLO class and session are cut to ``MAX_LABEL_CHARS`` (``cap_label``)."""
         try:
-            if type(trace_id) is not str:
-                raise TypeError("trace_id must be a str")
-            request_id = request_id_of(key)
+            if type(trace_id) is not str or type(key) is not str or type(tenant) is not str:
+                raise TypeError("key, tenant and trace_id must be str")
+            key, tenant, slo_class, session = cap_label(key), cap_label(tenant), cap_label(slo_class), cap_label(session)
+            request_id = request_id_of(key, tenant)
             if type(session_turn) is not int:
                 raise TypeError("session_turn must be an int")
             begin = (key, self._labels.intern(tenant), self._labels.intern(slo_class),

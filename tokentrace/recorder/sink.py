@@ -53,13 +53,18 @@ class JournalSink(Sink, Protocol):
     row-major int64 rows (``fields`` names their columns in order; ``instance_id`` fills
     the instance column) and ``strings`` the text each string column's ids stand for. It
     must be cheap (it runs several times a second) and survive the process being killed.
-    Later, ``write(table, batch)`` gets those rows as one Arrow batch (a part) and drops
-    their journal. ``journal`` may raise (the rows then only lose their crash protection).
-    Flush thread only, like ``write``.
+    Later ``seal(table)`` marks every row journaled so far as the next part's: appends after
+    it belong to the part after that. The following ``write(table, batch)`` gets the sealed
+    rows as one Arrow batch (a part; empty when every row was left out) and drops their
+    journal. ``journal`` and ``seal`` may raise (the rows then only lose their crash
+    protection). ``journal`` runs on the recorder's journal thread and ``seal``/``write`` on
+    its flush thread, at the same time: a ``write`` in progress must not hold up ``journal``.
     """
 
     def journal(self, table: Table, fields: Sequence[str], rows: array, strings: Mapping[str, Mapping[int, str]],
                 instance_id: int) -> None: ...
+
+    def seal(self, table: Table) -> None: ...
 
 
 class InMemorySink:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "temp_path_for",
     "atomic_write",
     "atomic_write_bytes",
+    "is_special_file",
     "create_once",
 ]
 
@@ -142,8 +144,13 @@ def atomic_write(final: Path, write: Callable[[Path], None]) -> None:
     file or the new one, never a part.
 
     May raise ``OSError`` (disk full, read-only file system) or whatever ``write`` raises; then ``final`` is
-    untouched and the temporary file is removed (best effort).
+    untouched and the temporary file is removed (best effort). A ``final`` that exists and is not a regular
+    file (a device such as ``/dev/null`` or ``/dev/full``, a named pipe) is written in place by
+    ``write(final)``, its errors raised: renaming over it would replace the device with a file.
     """
+    if is_special_file(final):
+        write(final)
+        return
     tmp = temp_path_for(final)
     try:
         write(tmp)
@@ -151,6 +158,15 @@ def atomic_write(final: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+def is_special_file(path: Path) -> bool:
+    """True if ``path`` (links followed) exists and is neither a regular file nor a folder."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def atomic_write_bytes(final: Path, data: bytes) -> None:

@@ -28,10 +28,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tokentrace.schema import REQUESTS, SPANS, TABLES, Table, col
+from tokentrace.store.derived import parts_fingerprint
 from tokentrace.store.files import column_min_max, part_info, read_part
 from tokentrace.store.journal import recover_run
 from tokentrace.store.layout import MANIFEST_NAME, StoreError, is_temp_name, part_files
-from tokentrace.store.manifest import DROPPED, SAMPLED_OUT, CorruptFileWarning, manifest_problem, read_manifest
+from tokentrace.store.manifest import (
+    DROPPED,
+    SAMPLED_OUT,
+    CorruptFileWarning,
+    manifest_problem,
+    read_fragments,
+    read_manifest,
+)
 
 __all__ = ["Run", "RunInfo", "TableInfo", "open_run", "list_runs", "find_run_dirs"]
 
@@ -113,6 +121,17 @@ class Run:
     def files(self, name: str) -> list[Path]:
         """Finished part files of table ``name``, ordered by (partition, part number)."""
         return part_files(self.path / _table_def(name).name)
+
+    def fingerprint(self) -> str:
+        """A digest of every finished part file of every table (path, size, modification time): it changes when
+        a part is added, removed, rewritten or recovered. The run's data version: derived facts are stamped with
+        it, caches of results are keyed by it. One ``stat`` per part."""
+        return parts_fingerprint(self.path)
+
+    def is_finished(self) -> bool:
+        """True when every process that wrote the run closed its writer (no part will follow)."""
+        fragments = read_fragments(self.path)
+        return bool(fragments) and all(f.get("closed") is True for f in fragments)
 
     def table(
         self,

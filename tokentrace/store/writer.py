@@ -6,9 +6,11 @@ under a temporary name and renamed into place, so a file is whole or absent
 even if the process is killed mid-write. The schema (with the schema version
 and table name in its metadata) is the table's ``Table.schema``.
 
-The recorder's flush thread also calls ``journal`` several times a second: the rows it
+The recorder's journal thread also calls ``journal`` several times a second: the rows it
 still holds for a table's next part are appended, raw, to that part's crash journal
-(:mod:`tokentrace.store.journal`), and the ``write`` of the part deletes the journal.
+(:mod:`tokentrace.store.journal`). ``seal`` closes that journal when the recorder cuts the
+part (later rows start the next part's journal), and the ``write`` of the part, done
+without the writer's lock so appends go on meanwhile, deletes the sealed journal.
 Parts keep their fixed cost (one per table every few seconds) while a killed process
 loses only the rows not yet journaled.
 """
@@ -77,6 +79,7 @@ class StoreWriter:
         self._closed = False
         self._fragment = WriterFragment(self.instance_id, config=self._config)
         self._journals: dict[str, TableJournal] = {}  # the open journal of each table's next part
+        self._sealed: dict[str, tuple[int, TableJournal | None]] = {}  # sealed: (part number, its journal)
         self._writer_lock: WriterLock | None = None
         self._journal_state = "off" if not journal else "unset"  # unset -> on | failed
         self.run_path.mkdir(parents=True, exist_ok=True)
@@ -101,9 +104,11 @@ class StoreWriter:
     def write(self, table: Table, batch: pa.RecordBatch | pa.Table) -> None:
         """Write ``batch`` (rows of ``table``) as one new part file; empty batches write nothing.
 
-        The table's crash journal (rows :meth:`journal` kept for this part) is deleted
-        once the part is written, or given up with it when the write fails.
-        Called from the recorder's flush thread; blocks for the file write.
+        After :meth:`seal` the part takes the sealed journal's number and the sealed journal
+        is deleted once the part is written (or given up with it when the write fails);
+        without one, the table's open journal is. The Parquet file is written without the
+        writer's lock, so :meth:`journal` appends meanwhile (the recorder's journal thread)
+        never wait for it. Called from the recorder's flush thread; blocks for the file write.
         Raises ``ValueError`` if the batch's columns are not the table's,
         ``RuntimeError`` after ``close``, ``OSError`` on I/O failure (disk full,
         read-only file system): then no file appears and existing files are
@@ -113,13 +118,36 @@ class StoreWriter:
         data = prepare_batch(table, batch)
         with self._lock:
             self._check_open()
-            journal = self._journals.pop(table.name, None)
-            try:
-                if data.num_rows:
-                    self._write_part_locked(table, data)
-            finally:
-                if journal is not None:
-                    journal.discard()  # its rows are in the part now, or given up with it
+            sealed = self._sealed.pop(table.name, None)
+            if sealed is None:
+                number = self._take_part_number(table) if data.num_rows else 0
+                journal = self._journals.pop(table.name, None)
+            else:
+                number, journal = sealed
+        try:
+            if data.num_rows:
+                self._write_part(table, data, number)
+        finally:
+            if journal is not None:
+                journal.discard()  # its rows are in the part now, or given up with it
+
+    def seal(self, table: Table) -> None:
+        """The rows journaled for ``table`` so far are those of its next :meth:`write`: that write
+        takes the next part number and deletes their journal, and later :meth:`journal` appends
+        go to the journal of the part after it. ``RuntimeError`` after ``close``."""
+        with self._lock:
+            self._check_open()
+            previous = self._sealed.pop(table.name, None)
+            if previous is not None:  # sealed and never written: its rows went with the write that failed
+                if previous[1] is not None:
+                    previous[1].discard()
+            self._sealed[table.name] = (self._take_part_number(table), self._journals.pop(table.name, None))
+
+    def _take_part_number(self, table: Table) -> int:
+        """The next part number of ``table``, reserved (under the lock)."""
+        number = self._next_part.get(table.name, 1)
+        self._next_part[table.name] = number + 1
+        return number
 
     def journal(self, table: Table, fields: Sequence[str], rows: array, strings: Mapping[str, Mapping[int, str]],
                 instance_id: int) -> None:
@@ -128,8 +156,8 @@ class StoreWriter:
         ``rows``: row-major int64 rows whose columns are ``fields``, in order (the table's
         columns but ``instance_id``, which is ``instance_id``); ``strings``: for each string
         column, the text of the ids its rows hold. The next :meth:`write` of the table gets
-        the same rows and deletes the journal. Called from the recorder's flush thread,
-        several times a second: one small ``write`` system call. A journal that cannot be
+        the same rows and deletes the journal (see :meth:`seal`). Called from the recorder's
+        journal thread, several times a second: one small ``write`` system call. A journal that cannot be
         appended to (disk full) does not raise: the table's journal stops until its next
         part and the failure is noted in the manifest fragment (the rows themselves are
         not lost unless the process dies too). ``RuntimeError`` after ``close``.
@@ -165,17 +193,18 @@ class StoreWriter:
                 self._note_error("creating the crash journal's lock file", err)
         return self._journal_state == "on"
 
-    def _write_part_locked(self, table: Table, data: pa.Table) -> None:
-        number = self._next_part.get(table.name, 1)
+    def _write_part(self, table: Table, data: pa.Table, number: int) -> None:
+        """Write part ``number`` (without the lock: the number is reserved), then note it in the fragment."""
         folder = partition_dir(self.run_path, table.name, self.instance_id)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             _write_parquet_atomically(with_run_column(data, self.run_id), folder / part_name(number))
         except OSError as err:  # the caller (the recorder) counts the rows and warns once
-            self._note_error(f"writing {table.name} rows", err)
+            with self._lock:
+                self._note_error(f"writing {table.name} rows", err)
             raise
-        self._next_part[table.name] = number + 1
-        self._fragment.add_part(table.name, data.num_rows, _instance_ids(data))
+        with self._lock:
+            self._fragment.add_part(table.name, data.num_rows, _instance_ids(data))
 
     def _note_error(self, action: str, err: BaseException) -> None:
         """Keep the first failure of each kind in the manifest fragment, so the run says why
@@ -220,7 +249,11 @@ class StoreWriter:
         # The parent's descriptors stay the parent's: close our copies, never write through them.
         for journal in self._journals.values():
             journal.forget_in_child()
+        for _, sealed in self._sealed.values():
+            if sealed is not None:
+                sealed.forget_in_child()
         self._journals = {}
+        self._sealed = {}
         if self._writer_lock is not None:
             self._writer_lock.forget_in_child()
             self._writer_lock = None
@@ -244,7 +277,11 @@ class StoreWriter:
                 return
             for journal in self._journals.values():
                 journal.close()
+            for _, sealed in self._sealed.values():
+                if sealed is not None:
+                    sealed.close()
             self._journals = {}
+            self._sealed = {}
             self._closed = True
             if self._writer_lock is not None:
                 self._writer_lock.release(remove=True)

@@ -140,6 +140,29 @@ def test_eviction_offloads_prefix_blocks_to_the_host_keeping_their_hash(make_seq
     assert bm.num_hit_blocks == [0, 2, 0]
 
 
+def test_a_lookup_counts_the_blocks_after_its_hit_that_the_cache_held_and_evicted(make_seq):
+    bm = BlockManager(block_size=4, num_device_blocks=4)
+    a = make_seq("a", range(9))  # two full blocks, keyed and cached once a is freed
+    bm.allocate_new(a, bm.match_prefix(a), 9)
+    bm.commit(computed(a, 9))
+    bm.free(a)
+    assert bm.match_prefix(make_seq("x", range(9))).num_evicted_blocks == 0  # still cached: a hit
+    b = make_seq("b", range(100, 116))
+    bm.allocate_new(b, bm.match_prefix(b), 16)  # takes all four blocks: a's two cached ones are evicted
+    bm.free(b)
+    again = bm.match_prefix(make_seq("c", [*range(9), 7, 7, 7]))
+    assert again.hits == () and again.num_evicted_blocks == 2 and again.num_evicted_tokens == 8
+    assert bm.match_prefix(make_seq("d", [*range(4), 9, 9, 9, 9, 9])).num_evicted_blocks == 1  # a's head only
+    assert bm.match_prefix(make_seq("e", range(50, 59))).num_evicted_blocks == 0  # never seen
+
+
+def test_a_prefix_offloaded_on_eviction_is_a_hit_not_an_evicted_prefix(make_seq):
+    bm, b = offloaded_setup(make_seq)
+    bm.free(b)
+    match = bm.match_prefix(make_seq("c", range(9)))
+    assert match.num_blocks_per_tier == (0, 2, 0) and match.num_evicted_blocks == 0
+
+
 def test_drop_on_evict_forgets_the_prefix(make_seq):
     bm, _ = offloaded_setup(make_seq, offload=DropOnEvict())
     assert bm.take_ops() == ()

@@ -123,6 +123,7 @@ DECODE_DELAY = "decode_step=2ms"
 
 def start_cluster(loop: LoopThread, **kw) -> tuple[ClusterBackend, Events]:
     kw.setdefault("delays", DECODE_DELAY)
+    kw.setdefault("restart_dead_workers", False)  # these tests kill workers and restart them by hand
     backend = ClusterBackend(CONFIG, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, **kw)
     events = Events()
     backend.add_observer(events)
@@ -190,6 +191,44 @@ def test_fifty_concurrent_requests_across_tenants(mode, request, loop):
     for req, events in zip(reqs, results):
         assert [e.index for e in events] == list(range(req.sampling.max_tokens))
         assert events[-1].finish_reason == "length"
+
+
+def test_kv_transfers_share_one_connection_per_decode_worker(disagg, loop):
+    # 30 concurrent disaggregated requests: every KV transfer to a decode worker rides the one connection the
+    # prefill worker keeps open to it; neither side opens or accepts a connection per transfer.
+    backend, events = disagg
+    sent_before = len([e for e in events.named("KVTransferEnd") if e.direction == "send" and e.ok])
+
+    async def go():
+        reqs = [make_request(backend, f"kvlink-{i}", f"kv link request {i} " * (1 + i % 4), SHORT)
+                for i in range(30)]
+        return await asyncio.gather(*(collect(backend, r) for r in reqs))
+
+    results = loop.run(go())
+    assert all(len(r) == SHORT.max_tokens for r in results)
+
+    def sends() -> list:  # relayed by the prefill worker after each acknowledgement (the stream may end first)
+        return [e for e in events.named("KVTransferEnd") if e.direction == "send" and e.ok]
+
+    assert loop.run(wait_until(lambda: len(sends()) - sent_before >= 30))
+    sends = sends()
+    assert all(e.start_ns <= e.first_sent_ns <= e.end_ns for e in sends)
+    peers = {e.peer for e in sends}
+    sent = sum(e.num_bytes for e in events.named("KVTransferEnd") if e.direction == "send")
+    received = {name: sum(e.num_bytes for e in events.named("KVTransferEnd")
+                          if e.direction == "recv" and e.instance == name) for name in peers}
+
+    def counted() -> bool:  # every worker's last pong came after all of the transfers above
+        w = backend.workers
+        return (w["prefill-0"].stats.get("num_kv_bytes_sent") == sent
+                and all(w[n].stats.get("num_kv_bytes_received") == received[n] for n in peers))
+
+    assert loop.run(wait_until(counted))
+    stats = {name: h.stats for name, h in backend.workers.items()}
+    assert stats["prefill-0"]["num_kv_connections"] == len(peers)
+    for name in peers:  # the controller's connection and the prefill worker's
+        assert stats[name]["num_connections_accepted"] == 2
+    assert all(s["num_gc_frozen"] > 0 for s in stats.values())  # the start-up heap is out of the collector's way
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -209,3 +210,46 @@ def test_unknown_path_and_wrong_method_use_the_error_shape(server: ServerThread)
     r = httpx.get(server.url + "/v1/completions")
     assert_error(r, 405)
     assert "POST" in r.headers["allow"]
+
+
+def _raw_exchange(server: ServerThread, request: bytes) -> bytes:
+    """Send raw bytes on one connection; everything the server answers until it closes (or goes quiet)."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                return data
+            if not chunk:
+                return data
+            data += chunk
+
+
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", [
+    b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n",
+    b"Content-Length: %d\r\nTransfer-Encoding: gzip, chunked\r\n",
+])
+def test_content_length_with_transfer_encoding_is_400_and_smuggles_nothing(server: ServerThread,
+                                                                           framing: bytes) -> None:
+    body = b"0\r\n\r\n" + SMUGGLED  # chunked: an empty body, then a second request; by length: one body
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing % len(body)
+    answer = _raw_exchange(server, head + b"\r\n" + body)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer  # the smuggled GET /v1/models got no answer
+    assert b'"object"' not in answer
+    assert_still_serving(server)
+
+
+def test_plain_chunked_body_is_served(server: ServerThread) -> None:
+    payload = json.dumps(GOOD).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+    answer = _raw_exchange(server, request)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert b'"completion_tokens"' in answer

@@ -40,7 +40,9 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=12)
 fields = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
                           "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos", "user",
-                          "slo_class", "echo"])
+                          "slo_class", "echo", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs",
+                          "top_logprobs", "best_of", "suffix", "response_format", "min_p", "repetition_penalty",
+                          "min_tokens"])
 small = st.integers(min_value=-2, max_value=6)
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", 5]),
                                  "content": st.one_of(st.text(max_size=10), st.just(SURROGATE), json_values)})
@@ -185,6 +187,15 @@ def test_json_nested_thousands_deep_is_a_400(served) -> None:
     huge_number = b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
     _assert_error(_post(server, huge_number), 400)
     _assert_serving(server)
+
+
+@pytest.mark.parametrize("logit_bias", [{"x": "y"}, {"50256": 101}, {"-1": 0}, {"7": None}, [1, 2], "bias"])
+def test_junk_logit_bias_is_a_400_naming_it(served, logit_bias: Any) -> None:
+    server, _ = served
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1, "logit_bias": logit_bias}).encode()
+    assert _assert_error(_post(server, body), 400)["param"] == "logit_bias"
+    good = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1, "logit_bias": {"7": -100, "8": 2.5}})
+    assert _post(server, good.encode()).status_code == 200
 
 
 def test_a_nan_temperature_says_it_must_be_finite(served) -> None:

@@ -73,6 +73,20 @@ def test_top_k_minus_one_means_off() -> None:
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "m", "prompt": "x", "stream": True, "stream_options": []}, "stream_options"),
     ({"model": "m", "prompt": "x", "slo_class": 1}, "slo_class"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"x": "y"}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": True}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1e3": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": [["5", 1]]}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "x", "suffix": 5}, "suffix"),
+    ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
 ])
 def test_invalid_completion_fields_name_the_param(body: dict, param: str) -> None:
     with pytest.raises(OpenAIError) as info:
@@ -93,6 +107,25 @@ def test_invalid_messages(messages: Any) -> None:
         parse_chat_request({"model": "m", "messages": messages})
     assert info.value.status == 400
     assert info.value.param is not None and info.value.param.startswith("messages")
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"logprobs": 1}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"), ({"logit_bias": {"12": -101}}, "logit_bias"),
+])
+def test_invalid_chat_fields_name_the_param(extra: dict, param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_valid_openai_fields_this_server_does_not_act_on_are_accepted() -> None:
+    parse_completion_request({"model": "m", "prompt": "x", "logit_bias": {"50256": -100, "7": 99.5},
+                              "presence_penalty": -2, "frequency_penalty": 1.5, "logprobs": 5, "best_of": 1,
+                              "suffix": None, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 0})
+    parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                        "top_logprobs": 20, "response_format": {"type": "json_object"}, "logit_bias": {}})
 
 
 def test_body_must_be_an_object() -> None:

@@ -149,7 +149,7 @@ def test_ctrl_c_to_the_process_group_of_a_traced_disagg_server_stops_it_cleanly(
     tokentrace run forwards it once more: no traceback, exit 0, every process's trace flushed."""
     from tokentrace.store import open_run
 
-    proc = subprocess.Popen([sys.executable, "-c", "from tokentrace.cli import main; main()", "run", "--store",
+    proc = subprocess.Popen([sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store",
                              str(tmp_path), "--run", "ctrl-c", "--", sys.executable, "-m", "reference_server",
                              "--mode", "disagg", "--port", "0"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -171,3 +171,39 @@ def test_ctrl_c_to_the_process_group_of_a_traced_disagg_server_stops_it_cleanly(
     names = {i["name"].split("-")[0] for i in run.instances()}
     assert names == {"gateway", "prefill", "decode"}
     assert run.num_rows("tokens") >= 6  # the decode worker's tokens reached the store
+
+
+@pytest.mark.parametrize("listener", ["launcher", "server_thread"])
+def test_the_gateways_connections_send_small_writes_at_once(listener):
+    """Nagle off (TCP_NODELAY) on every accepted connection. With it on, a token stream on a
+    kept-alive connection waits for the client's delayed ACK: every second request took +40 ms.
+    asyncio turns it off only for sockets created as IPPROTO_TCP, which connections inherit."""
+    import asyncio
+
+    from reference_server.launcher import _bind
+    from reference_server.serving.gateway_server import ServerThread
+
+    if listener == "launcher":
+        sock = _bind("127.0.0.1", 0)
+    else:
+        thread = ServerThread(object())
+        sock = thread._sock
+    seen: list[int] = []
+
+    async def main() -> None:
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen == [1]

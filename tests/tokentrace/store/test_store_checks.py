@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from tokentrace.cli import app, register_commands
+from tokentrace.app.cli import app, register_commands
 from tokentrace.schema import SCHEMA_VERSION, SPANS, STEPS, TOKENS, col
 from tokentrace.store import CorruptFileWarning, StoreError, StoreWriter, list_runs, open_run
 

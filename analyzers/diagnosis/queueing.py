@@ -1,0 +1,230 @@
+"""Rules for time a request spent waiting for admission (``schedule.queue``): who held the capacity.
+
+In order, each taking what the previous left of the wait:
+
+1. ``head_of_line``: the part of the wait during which the instance was prefilling another request's
+   long prompt (at least ``LONG_PROMPT_FACTOR`` x the run's median prompt and
+   ``LONG_PROMPT_MIN_TOKENS``), from that prompt's first prefill chunk to its last; the evidence
+   names those requests, their prompt lengths and the largest step's prefill tokens (the budget).
+2. ``noisy_neighbour``: of the batch seats (a request in an engine step) of the instance's steps during
+   the wait, one other tenant holds the most, at least ``NEIGHBOUR_SHARE`` x an even share (1 / the run's
+   tenants), with at least ``NEIGHBOUR_MIN_REQUESTS``
+   requests, which arrived (from the first of them to the last) at ``NEIGHBOUR_RATE_FACTOR`` x an even
+   share of the run's offered rate (offered rate / tenants) or faster: that tenant's share of the seats,
+   of the rest of the wait. Without step ids on the spans, the requests in the system when the wait
+   began stand for the seats, one each.
+3. ``overload``: the load analysis called the run saturated (arrivals outran service for a
+   sustained period): the rest of the wait, naming the pool it waited in (its instance's role; the pool
+   the load analysis finds saturating when the store does not say, and that one too when it differs).
+4. ``burst``: the requests in the system when it arrived (at least ``BURST_MIN_REQUESTS`` with it)
+   arrived at ``BURST_RATE_FACTOR`` x the run's mean offered rate or faster: the rest of the wait,
+   with the burst's start, size and rate.
+5. Otherwise the rest is ``unknown``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+import pandas as pd
+
+from analyzers.diagnosis.causes import BURST, HEAD_OF_LINE, NOISY_NEIGHBOUR, OVERLOAD, Finding
+from analyzers.diagnosis.run_context import RunContext
+from tokentrace.schema import col
+
+__all__ = ["queue_findings", "NEIGHBOUR_SHARE", "NEIGHBOUR_RATE_FACTOR", "NEIGHBOUR_MIN_REQUESTS", "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR",
+           "MIN_WAIT_MS"]
+
+NEIGHBOUR_SHARE = 1.25  # one other tenant holds the most batch seats, at least 1.25x an even share (1 / tenants) ...
+NEIGHBOUR_RATE_FACTOR = 2.0  # ... and arrived at twice an even share of the offered rate ...
+NEIGHBOUR_MIN_REQUESTS = 4  # ... with at least this many of its requests ahead
+BURST_MIN_REQUESTS = 4  # a burst: at least 4 requests in the system, this one included ...
+BURST_RATE_FACTOR = 1.5  # ... that arrived at 1.5x the mean offered rate or faster
+MIN_WAIT_MS = 0.5  # waits shorter than this are not worth a cause
+
+
+def queue_findings(ctx: RunContext, rid: int, arrival: int, start: int, end: int, instance: int,
+                   stage: str = "schedule.queue") -> list[Finding]:
+    """The causes of the wait ``[start, end)`` of request ``rid`` (arrived at ``arrival``) on ``instance``, spent in
+    ``stage`` (``schedule.queue``, or ``decode.queue`` for a wait for a place in a batch)."""
+    wait = end - start
+    if wait <= MIN_WAIT_MS * 1e6:
+        return []
+    out: list[Finding] = []
+    hol = _head_of_line(ctx, rid, start, end, instance, stage)
+    rest = float(wait)
+    if hol is not None:
+        out.append(hol)
+        rest -= hol.ms * 1e6
+    if rest <= MIN_WAIT_MS * 1e6:
+        return out
+    ahead = ctx.ahead_of(rid, arrival)
+    neighbour = _noisy_neighbour(ctx, rid, start, end, instance, rest, stage)
+    if neighbour is not None:
+        out.append(neighbour)
+        rest -= neighbour.ms * 1e6
+    if rest <= MIN_WAIT_MS * 1e6:
+        return out
+    load = _load_finding(ctx, arrival, ahead, rest, stage, instance)
+    if load is not None:
+        out.append(load)
+    return out
+
+
+def _head_of_line(ctx: RunContext, rid: int, start: int, end: int, instance: int, stage: str) -> Finding | None:
+    if ctx.prompts.get(rid, 0) >= ctx.long_prompt:
+        return None  # a long prompt waiting behind another long prompt is the load, not head-of-line blocking
+    held_ns, holders = ctx.long_prefill_windows(instance, start, end, rid)
+    if held_ns <= 0:
+        return None
+    steps = ctx.steps_in(instance, start, end)
+    budget = int(steps[col.NUM_PREFILL_TOKENS].max()) if len(steps) else 0
+    names = [ctx.key(o) for o in holders]
+    which = ", ".join(f"{ctx.key(o)}'s {p:,.0f}-token" for o, p in list(holders.items())[:3])
+    more = f" (and {len(holders) - 3} more)" if len(holders) > 3 else ""
+    evidence = (f"waited {held_ns / 1e6:,.1f} ms in {stage} while {which} prefill{more} held the "
+                f"{budget:,}-token step budget")
+    return Finding(HEAD_OF_LINE, held_ns / 1e6, evidence, stage=stage, requests=tuple(names))
+
+
+def _noisy_neighbour(ctx: RunContext, rid: int, start: int, end: int, instance: int, rest_ns: float,
+                     stage: str) -> Finding | None:
+    if len(ctx.tenant_rps) < 2:
+        return None
+    mine = ctx.tenants.get(rid, "")
+    seats = ctx.seats_in(instance, start, end)
+    seats = seats[seats[col.REQUEST_ID] != rid]
+    if not len(seats):  # no step ids on the spans: the requests in the system when the wait began, one seat each
+        ahead = ctx.ahead_of(rid, start)
+        seats = pd.DataFrame({col.REQUEST_ID: ctx.ids_of(ahead), "tenant": ctx.tenants_of(ahead)})
+    if not len(seats):
+        return None
+    even = ctx.offered_rps / len(ctx.tenant_rps)  # an even share of the run's offered load
+    if not math.isfinite(even):
+        return None
+    share = seats["tenant"].value_counts(normalize=True).sort_index().sort_values(ascending=False, kind="stable")
+    tenant, held = str(share.index[0]), float(share.iloc[0])  # ties by name: whatever order the seats came in
+    theirs = seats[seats["tenant"] == tenant][col.REQUEST_ID].unique()
+    if tenant != mine and held >= NEIGHBOUR_SHARE / len(ctx.tenant_rps) and len(theirs) >= NEIGHBOUR_MIN_REQUESTS:
+        arrivals = [ctx.arrival_of(int(r)) for r in theirs]
+        window_s = (max(arrivals) - min(arrivals)) / 1e9
+        rate = (len(theirs) - 1) / window_s if window_s > 0 else math.inf
+        if rate >= NEIGHBOUR_RATE_FACTOR * even:
+            ms = rest_ns * held / 1e6
+            return Finding(NOISY_NEIGHBOUR, ms, f"waited {ms:,.1f} ms while tenant {tenant or '(none)'}'s requests "
+                           f"held {held * 100:.0f}% of the engine's batch seats ({len(theirs)} requests, arriving "
+                           f"at {rate:,.1f} req/s against an even share of {even:,.2f} req/s per tenant)",
+                           stage=stage, tenant=tenant)
+    return _backlog(ctx, seats, mine, rest_ns, stage, even)
+
+
+def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, rest_ns: float, stage: str,
+             even: float) -> Finding | None:
+    """The seats' holders queued behind another tenant's burst: a seat counts for that tenant by the share of
+    the requests ahead of its holder (transitively) that were the tenant's (:func:`displaced_shares`)."""
+    best: tuple[float, str, tuple[int, float]] | None = None
+    for tenant in ctx.tenant_rps:
+        if tenant == mine:
+            continue
+        burst = tenant_burst(ctx, tenant, NEIGHBOUR_RATE_FACTOR * even)
+        if burst is None:
+            continue
+        shares = displaced_shares(ctx, tenant)
+        weight = np.where(seats["tenant"].to_numpy() == tenant, 1.0,
+                          [shares.get(int(r), 0.0) for r in seats[col.REQUEST_ID]])
+        held = math.fsum(weight) / len(weight)  # exactly rounded: the same whatever order the seats came in
+        if best is None or held > best[0]:
+            best = (held, tenant, burst)
+    if best is None or best[0] < NEIGHBOUR_SHARE / len(ctx.tenant_rps):
+        return None
+    held, tenant, (num, rate) = best
+    ms = rest_ns * held / 1e6
+    evidence = (f"waited {ms:,.1f} ms behind the backlog tenant {tenant or '(none)'}'s burst built: "
+                f"{held * 100:.0f}% of the engine's batch seats during its wait went to its requests or to requests "
+                f"that had queued behind them ({num} requests, arriving at {rate:,.1f} req/s against an even share "
+                f"of {even:,.2f} req/s per tenant)")
+    return Finding(NOISY_NEIGHBOUR, ms, evidence, stage=stage, tenant=tenant)
+
+
+def tenant_burst(ctx: RunContext, tenant: str, min_rps: float) -> tuple[int, float] | None:
+    """The tenant's largest burst: ``NEIGHBOUR_MIN_REQUESTS`` or more of its requests arriving one after another
+    at ``min_rps`` or faster (each in such a run of ``NEIGHBOUR_MIN_REQUESTS``): (requests, their rate);
+    None when it never sent one."""
+    key = ("burst", tenant, min_rps)
+    if key not in ctx.memo:
+        a = np.sort(ctx.arrivals_of(np.flatnonzero(ctx.tenants_of(np.arange(len(ctx.ev.requests))) == tenant)))
+        k = NEIGHBOUR_MIN_REQUESTS
+        best = None
+        if len(a) >= k:
+            span_s = (a[k - 1:] - a[:len(a) - k + 1]) / 1e9
+            dense = np.flatnonzero(k - 1 >= min_rps * span_s)  # windows of k arrivals at min_rps or faster
+            inside = np.zeros(len(a), dtype=bool)
+            for i in dense:
+                inside[i:i + k] = True
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], inside.astype(int), [0]])))
+            for lo, hi in zip(edges[::2], edges[1::2]):
+                window_s = (a[hi - 1] - a[lo]) / 1e9
+                rate = (hi - lo - 1) / window_s if window_s > 0 else math.inf
+                if best is None or hi - lo > best[0]:
+                    best = (int(hi - lo), rate)
+        ctx.memo[key] = best
+    return ctx.memo[key]
+
+
+def displaced_shares(ctx: RunContext, tenant: str) -> dict[int, float]:
+    """Per request, the share of the requests in the system when it arrived that were ``tenant``'s, counting
+    each other request ahead of it by its own share (it queued behind them in turn): one sweep in arrival order."""
+    key = ("displaced", tenant)
+    if key not in ctx.memo:
+        n = len(ctx.ev.requests)
+        arrivals, ends = ctx.arrivals_of(np.arange(n)), ctx.ends_of(np.arange(n))
+        is_theirs = ctx.tenants_of(np.arange(n)) == tenant
+        weight, share = np.zeros(n), np.zeros(n)
+        active: list[tuple[float, int]] = []
+        total = 0.0
+        for i in np.argsort(arrivals, kind="stable"):
+            while active and active[0][0] <= arrivals[i]:
+                total -= weight[heapq.heappop(active)[1]]
+            share[i] = total / len(active) if active else 0.0
+            weight[i] = 1.0 if is_theirs[i] else share[i]
+            heapq.heappush(active, (float(ends[i]), int(i)))
+            total += weight[i]
+        ctx.memo[key] = dict(zip(ctx.ids_of(np.arange(n)).tolist(), share.tolist()))
+    return ctx.memo[key]
+
+
+def _load_finding(ctx: RunContext, arrival: int, ahead: np.ndarray, rest_ns: float, stage: str,
+                  instance: int) -> Finding | None:
+    load = ctx.load
+    if load.get("saturated") is True:
+        saturating = load.get("saturated_pool")
+        pool = ctx.pool_of(instance) or saturating or "unknown"  # the pool it waited for room in
+        where = (f" in the {pool} pool; the {saturating} pool saturates" if saturating and saturating != pool
+                 else f"; the {pool} pool saturates")
+        evidence = (f"waited {rest_ns / 1e6:,.1f} ms in {stage} with {len(ahead)} requests ahead while arrivals "
+                    f"outran service ({_f(load.get('offered_rps'))} req/s offered, {_f(load.get('served_rps'))} "
+                    f"served){where}")
+        return Finding(OVERLOAD, rest_ns / 1e6, evidence, stage=stage)
+    size = len(ahead) + 1
+    if size < BURST_MIN_REQUESTS or not math.isfinite(ctx.offered_rps):
+        return None
+    first = int(ctx.arrivals_of(ahead).min())
+    span_s = (arrival - first) / 1e9
+    rate = (size - 1) / span_s if span_s > 0 else math.inf
+    if rate < BURST_RATE_FACTOR * ctx.offered_rps:
+        return None
+    start_s = (first - int(ctx.arrivals_of(np.arange(len(ctx.ev.requests))).min())) / 1e9
+    evidence = (f"waited {rest_ns / 1e6:,.1f} ms in {stage} behind a burst: {size} requests arrived in "
+                f"{span_s:,.2f} s from t={start_s:,.1f} s ({rate:,.1f} req/s against a mean of "
+                f"{ctx.offered_rps:,.1f} req/s)")
+    return Finding(BURST, rest_ns / 1e6, evidence, stage=stage)
+
+
+def _f(value: object) -> str:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "?"
+    return f"{v:,.2f}" if math.isfinite(v) else "?"

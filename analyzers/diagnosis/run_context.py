@@ -1,0 +1,245 @@
+"""What the rules know about the run around a request: load, arrivals, long prompts, steps, typical stages.
+
+Built once per diagnosis from the :class:`~analyzers.diagnosis.evidence.Evidence` frames and the load
+verdict, then read by every rule (:mod:`analyzers.diagnosis.queueing`, :mod:`analyzers.diagnosis.stages`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analyzers.diagnosis.evidence import Evidence
+from analyzers.timing import LAST_TOKEN
+from tokentrace.schema import Role, Stage, col
+
+__all__ = ["RunContext", "LONG_PROMPT_FACTOR", "LONG_PROMPT_MIN_TOKENS", "overlap_ns"]
+
+LONG_PROMPT_FACTOR = 4.0  # a long prompt: at least 4x the run's median prompt ...
+LONG_PROMPT_MIN_TOKENS = 64  # ... and at least this many tokens
+
+
+def _pool_label(role: object) -> str | None:
+    try:
+        return Role(int(role)).label  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
+def overlap_ns(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Each interval's overlap with ``[lo, hi)``, ns (0 where they do not meet)."""
+    return np.clip(np.minimum(ends, hi) - np.maximum(starts, lo), 0, None)
+
+
+@dataclass(eq=False)
+class RunContext:
+    """Indexes over the evidence; see the module doc. ``load``: ``analyzers.load.LoadReport.row``."""
+
+    ev: Evidence
+    load: dict[str, Any]
+    keys: dict[int, str] = field(init=False)
+    prompts: dict[int, float] = field(init=False)
+    tenants: dict[int, str] = field(init=False)
+    median_prompt: float = field(init=False)
+    long_prompt: float = field(init=False)
+    reusable_tokens: float = field(init=False)
+    offered_rps: float = field(init=False)
+    tenant_rps: dict[str, float] = field(init=False)
+    memo: dict[tuple, Any] = field(init=False, default_factory=dict)  # per-run results the rules compute once
+
+    def __post_init__(self) -> None:
+        c = col
+        req = self.ev.requests
+        self.keys = dict(zip(req[c.REQUEST_ID].astype("int64"), req[c.REQUEST_KEY].fillna("").astype(str)))
+        prompts = req[c.NUM_PROMPT_TOKENS].astype("float64")
+        self.prompts = dict(zip(req[c.REQUEST_ID].astype("int64"), prompts))
+        self.tenants = dict(zip(req[c.REQUEST_ID].astype("int64"), req[c.TENANT].fillna("").astype(str)))
+        median = float(prompts.median()) if prompts.notna().any() else math.nan
+        self.median_prompt = median
+        self.long_prompt = max(LONG_PROMPT_FACTOR * median, LONG_PROMPT_MIN_TOKENS) if math.isfinite(median) else math.inf
+        cached = req[c.NUM_CACHED_TOKENS].astype("float64")
+        self.reusable_tokens = float(cached.max()) if cached.notna().any() and cached.max() > 0 else 0.0
+        arrivals = req[c.ARRIVAL_NS].to_numpy("int64")
+        self._arrivals = arrivals
+        end = req[c.FINISH_NS].astype("Float64").fillna(req[LAST_TOKEN].astype("Float64"))
+        self._ends = end.fillna(np.iinfo("int64").max).to_numpy("float64")
+        self._ids = req[c.REQUEST_ID].to_numpy("int64")
+        self._arrival_by_id = dict(zip(self._ids, arrivals))
+        self._tenant_of = req[c.TENANT].fillna("").astype(str).to_numpy()
+        window_s = (arrivals.max() - arrivals.min()) / 1e9 if len(arrivals) >= 2 else 0.0
+        self.offered_rps = (len(arrivals) - 1) / window_s if window_s > 0 else math.nan
+        counts = pd.Series(self._tenant_of).value_counts()
+        self.tenant_rps = {str(t): (n / window_s if window_s > 0 else math.nan) for t, n in counts.items()}
+        self._steps = {int(i): g.reset_index(drop=True) for i, g in self.ev.steps.groupby(c.INSTANCE_ID)}
+        pre = self.ev.prefills
+        pre = pre.assign(prompt=pre[c.REQUEST_ID].map(self.prompts))
+        self._long_prefills = pre[pre["prompt"] >= self.long_prompt]
+        spans = self._long_prefills.groupby([c.INSTANCE_ID, c.REQUEST_ID]).agg(lo=(c.START_NS, "min"),
+                                                                               hi=(c.END_NS, "max")).reset_index()
+        self._long_windows = {int(i): g for i, g in spans.groupby(c.INSTANCE_ID)}
+        self._long_by_step = {(int(i), int(s)): g for (i, s), g in
+                              self._long_prefills.dropna(subset=[c.STEP]).groupby([c.INSTANCE_ID, c.STEP])}
+        self._prefills_by_step = {(int(i), int(s)): g for (i, s), g in
+                                  pre.dropna(subset=[c.STEP]).groupby([c.INSTANCE_ID, c.STEP])}
+        self.tokens_per_block = self._tokens_per_block()
+        carry = self.ev.carried
+        self.carried = dict(zip(carry[c.REQUEST_ID].astype("int64"), carry["carried_tokens"].astype("float64")))
+        lost = self.ev.evicted_prefix
+        # (lookup time, prompt tokens past the hit that its first such lookup found evicted); with none in the run,
+        # the store cannot tell an evicted prefix from one never seen (older stores, engines that keep no record).
+        self.evicted_prefix = {int(r): (int(t), float(n)) for r, t, n in
+                               zip(lost[c.REQUEST_ID], lost["lookup_ns"], lost["evicted_tokens"])}
+        seats = self.ev.seats.assign(tenant=self.ev.seats[c.REQUEST_ID].map(self.tenants).fillna(""))
+        self._seats = {(int(i), int(st)): g for (i, st), g in seats.groupby([c.INSTANCE_ID, c.STEP])}
+        held = self.ev.held
+        self.last_held = dict(zip(held[c.REQUEST_ID].astype("int64"), held["last_held"].astype("int64")))
+        emitted = self.ev.emitted
+        self.first_emitted = {(int(r), int(i)): int(t) for r, i, t in
+                              zip(emitted[c.REQUEST_ID], emitted[c.INSTANCE_ID], emitted["first_emitted"])}
+        roles = self.ev.roles.dropna(subset=[c.ROLE])
+        self._pools = {int(i): _pool_label(r) for i, r in zip(roles[c.INSTANCE_ID], roles[c.ROLE])}
+        typical = self.ev.stage_typical
+        self.stage_median_ns = {Stage(int(s)): float(m) for s, m in zip(typical[c.STAGE], typical["median_ns"])}
+        self._decode_step_ns: dict[int, float] = {}
+        self._median_seqs: dict[int, float] = {}
+        for i, g in self._steps.items():
+            pure = g[(g[c.NUM_PREFILL_TOKENS] == 0) & (g[c.NUM_DECODE_TOKENS] > 0)]
+            dur = (pure[c.END_NS] - pure[c.START_NS]).astype("float64")
+            self._decode_step_ns[i] = float(dur.median()) if len(dur) else math.nan
+            decode = g[g[c.NUM_DECODE_TOKENS] > 0][c.NUM_SEQS]
+            self._median_seqs[i] = float(decode.median()) if len(decode) else math.nan
+
+    def _tokens_per_block(self) -> float:
+        """Tokens a KV block holds: from cache hits (tokens / blocks), else from steps that prefilled one sequence
+        from an empty device tier (prefill tokens / blocks in use after it); NaN when neither says."""
+        c = col
+        steps = self.ev.steps
+        used = steps[c.NUM_BLOCKS_USED_DEVICE].astype("Float64")
+        prev = used.groupby(steps[c.INSTANCE_ID]).shift(1)
+        alone = steps[(steps[c.NUM_SEQS] == 1) & (steps[c.NUM_PREFILL_TOKENS] > 0) & (prev == 0) & (used > 0)]
+        if not len(alone):
+            return math.nan
+        return float((alone[c.NUM_PREFILL_TOKENS] / alone[c.NUM_BLOCKS_USED_DEVICE].astype("float64")).median())
+
+    # ------------------------------------------------------------ requests
+
+    def key(self, rid: int) -> str:
+        return self.keys.get(int(rid), str(rid))
+
+    def arrival_of(self, rid: int) -> int:
+        return int(self._arrival_by_id[int(rid)])
+
+    def ahead_of(self, rid: int, arrival: int) -> np.ndarray:
+        """Indexes (into the requests frame) of the requests in the system when ``rid`` arrived: arrived
+        before it and not yet ended."""
+        return np.flatnonzero((self._arrivals < arrival) & (self._ends > arrival) & (self._ids != rid))
+
+    def arrivals_of(self, index: np.ndarray) -> np.ndarray:
+        return self._arrivals[index]
+
+    def tenants_of(self, index: np.ndarray) -> np.ndarray:
+        return self._tenant_of[index]
+
+    def ids_of(self, index: np.ndarray) -> np.ndarray:
+        return self._ids[index]
+
+    def ends_of(self, index: np.ndarray) -> np.ndarray:
+        """When those requests left the system (finish, else last token; +inf-like when neither), ns."""
+        return self._ends[index]
+
+    def toward(self, rid: int, spans: pd.DataFrame) -> pd.Series:
+        """The token each of ``rid``'s spans works toward: its index, but never one before the first token its
+        process emitted for the request (a disaggregated decode worker's spans tagged 0 work toward its first
+        token), as the read path counts them (:func:`analyzers.attribution.span_pieces_sql`); negative indexes
+        (request-wide spans) stay."""
+        c = col
+        index = spans[c.TOKEN_INDEX].astype("int64")
+        floor = pd.Series([self.first_emitted.get((int(rid), int(i)), 0) for i in spans[c.INSTANCE_ID]],
+                          index=spans.index, dtype="int64")
+        return index.where(index < 0, np.maximum(index, floor))
+
+    def pool_of(self, instance: int) -> str | None:
+        """The pool (role label: prefill, decode, colocated, ...) of ``instance``; None when the store does not say."""
+        return self._pools.get(int(instance))
+
+    # ------------------------------------------------------------ steps
+
+    def steps_in(self, instance: int, lo: int, hi: int) -> pd.DataFrame:
+        """Steps of ``instance`` that overlap ``[lo, hi)``, with ``overlap_ns``."""
+        g = self._steps.get(int(instance))
+        if g is None or not len(g):
+            return pd.DataFrame(columns=[col.STEP, "overlap_ns"])
+        ov = overlap_ns(g[col.START_NS].to_numpy("int64"), g[col.END_NS].to_numpy("int64"), lo, hi)
+        return g[ov > 0].assign(overlap_ns=ov[ov > 0])
+
+    def steps_during(self, instance: int, intervals: list[tuple[int, int]]) -> pd.DataFrame:
+        """Steps of ``instance`` that overlap any of ``intervals`` (disjoint ``[lo, hi)``), with ``overlap_ns``: the
+        time each shares with them."""
+        g = self._steps.get(int(instance))
+        if g is None or not len(g) or not intervals:
+            return pd.DataFrame(columns=[col.STEP, "overlap_ns"])
+        starts, ends = g[col.START_NS].to_numpy("int64"), g[col.END_NS].to_numpy("int64")
+        ov = sum(overlap_ns(starts, ends, lo, hi) for lo, hi in intervals)
+        return g[ov > 0].assign(overlap_ns=ov[ov > 0])
+
+    def long_prefills_in(self, instance: int, step: int, but: int) -> pd.DataFrame:
+        """Prefill intervals of long-prompt requests other than ``but`` in that step."""
+        g = self._long_by_step.get((int(instance), int(step)))
+        if g is None:
+            return self._long_prefills.iloc[0:0]
+        return g[g[col.REQUEST_ID] != but]
+
+    def prefills_in(self, instance: int, step: int, but: int) -> pd.DataFrame:
+        """Prefill intervals of requests other than ``but`` in that step."""
+        g = self._prefills_by_step.get((int(instance), int(step)))
+        if g is None:
+            return self.ev.prefills.iloc[0:0]
+        return g[g[col.REQUEST_ID] != but]
+
+    def long_prefill_windows(self, instance: int, lo: int, hi: int, but: int) -> tuple[int, dict[int, float]]:
+        """Time inside ``[lo, hi)`` during which a long prompt other than ``but`` was being prefilled on ``instance``
+        (from its first prefill chunk's start to its last one's end, windows merged), ns, and those requests
+        with their prompt lengths."""
+        g = self._long_windows.get(int(instance))
+        if g is None:
+            return 0, {}
+        g = g[(g[col.REQUEST_ID] != but) & (g["hi"] > lo) & (g["lo"] < hi)].sort_values("lo")
+        covered, end = 0, lo
+        for a, b in zip(g["lo"].clip(lower=lo), g["hi"].clip(upper=hi)):
+            a = max(int(a), end)
+            if b > a:
+                covered += int(b) - a
+                end = int(b)
+        return covered, {int(r): self.prompts.get(int(r), math.nan) for r in g[col.REQUEST_ID]}
+
+    def seats_in(self, instance: int, lo: int, hi: int) -> pd.DataFrame:
+        """The requests each step of ``instance`` overlapping ``[lo, hi)`` computed: request_id, tenant, one row
+        per request and step."""
+        steps = self.steps_in(instance, lo, hi)
+        parts = [self._seats[(int(instance), int(s))] for s in steps[col.STEP] if (int(instance), int(s)) in self._seats]
+        return pd.concat(parts) if parts else self.ev.seats.iloc[0:0].assign(tenant="")
+
+    def decode_step_ns(self, instance: int) -> float:
+        """Median duration of the instance's decode-only steps (no prefill tokens), ns (NaN if none)."""
+        return self._decode_step_ns.get(int(instance), math.nan)
+
+    def median_seqs(self, instance: int) -> float:
+        return self._median_seqs.get(int(instance), math.nan)
+
+    def evicted_before(self, instance: int, t: int) -> int:
+        """Blocks the instance evicted before ``t``."""
+        e = self.ev.evictions
+        mine = e[(e[col.INSTANCE_ID] == instance) & (e[col.START_NS] < t)]
+        return int(mine[col.NUM_BLOCKS].sum())
+
+    def lag_overlap_ns(self, lo: int, hi: int) -> int:
+        """Time inside ``[lo, hi)`` during which an event loop ran late (union over instances not needed:
+        one loop per gateway), ns."""
+        lags = self.ev.loop_lags
+        if not len(lags):
+            return 0
+        return int(overlap_ns(lags[col.START_NS].to_numpy("int64"), lags[col.END_NS].to_numpy("int64"), lo, hi).sum())

@@ -1,0 +1,457 @@
+"""Rules for a request's own stages: what its prefill, transfer, preemptions, decode steps and the
+stages around them say, in its time to first token and in each token gap over the ITL target.
+
+* ``schedule.queue``: :mod:`analyzers.diagnosis.queueing`.
+* ``schedule.preempted``: ``preemption``, the preempted time plus every prefill computed after the
+  first preemption (the recompute it paid again); in a gap, one finding for both.
+* ``prefill.compute``: of each prefill step, the share that computed other requests' prompt tokens (the
+  step's prefill tokens beyond the request's own: at most what was left of its uncomputed prompt, walking
+  its steps in order): ``head_of_line`` where the step computed another request's long prompt (the request
+  itself not long), ``coscheduled_prefill`` otherwise, naming those requests and their prompt lengths (a step
+  in which no other request's prefill span lies is not claimed);
+  ``prefix_miss`` for the extra prefill it paid for prompt tokens past its prefix hit that an earlier
+  request had computed and the cache had evicted before its lookup (its first ``miss_evicted`` event, made
+  before its first prefill: one after it is a readmission after a preemption, which finds its own blocks gone):
+  its prefill time x evicted / (prompt - cached). In a run without ``miss_evicted`` events (older stores,
+  engines that remember no evicted block hashes): ``prefix_miss`` when it had fewer than ``R`` tokens cached and its
+  instance had evicted at least a prompt's worth of cached blocks (its full blocks) before it
+  arrived, ``R`` being what its session's previous turn computed (``carry`` events), else the most
+  cached tokens of any request of the run, at most its full blocks (without those events, in a run where
+  nothing was ever reused, a prompt that shared nothing cannot be told from one whose prefix was evicted,
+  and no miss is claimed): its prefill time x (``R`` - cached) / (prompt - cached); ``long_prefill`` for
+  the rest of a long prompt's own prefill
+  (a long prompt: at least ``LONG_PROMPT_FACTOR`` x the run's median, :mod:`analyzers.diagnosis.run_context`).
+* ``transfer.kv``: ``kv_transfer``, all of it.
+* ``decode.queue`` that ends by the request's first compute on its instance (a disaggregated decode
+  worker's admission: back-pressure, the wait for room in a full decode pool after the KV transfer, or
+  its first place in a batch), or longer than ``WAIT_STEPS`` x the instance's median step (a wait for a
+  place in a batch): explained as ``schedule.queue`` is (:mod:`analyzers.diagnosis.queueing`), in the
+  TTFT as in a gap.
+* Each span works toward its token index, but never one before the first token its process emitted for
+  the request (a disaggregated decode worker's queue, preemption and recompute spans tagged 0 work toward
+  its first token), as the read path counts them. The TTFT's spans: those working toward token 0 or a
+  token held back until the first visible content (sent with it), started before it; a gap's: those
+  working toward its token, and a prefill there (a recompute: the prompt's own works toward token 0) is
+  ``preemption``. A held-back
+  token's output stages (``detokenize``, ``stream.relay``, ``stream.send``) ran beside the engine computing
+  the tokens after it: in the TTFT they count only past the end of the engine's last span toward the first
+  visible content (before it, they delayed nothing).
+* ``decode.queue`` / ``decode.compute`` of a gap otherwise: ``batch_interference`` for the share of the
+  instance's steps while the request waited there (not those it sat out preempted or recomputing) spent on
+  co-scheduled prefill tokens (prefill / (prefill + decode) tokens of each step), or, for a step of more
+  than ``BATCH_FACTOR`` x the instance's median
+  batch, the step time beyond the instance's median decode-only step; ``slow_stage``
+  (decode.compute) when that median decode-only step is itself at least ``SLOW_DECODE_SHARE`` of
+  the ITL target and ``SLOW_STAGE_MS``.
+* ``decode.draft`` / ``decode.verify``: ``speculation``, the draft time of rejected proposals
+  (draft time x rejected / proposed) of the speculative steps that emitted the token.
+* Gateway and stream stages (``gateway.*``, ``cache.lookup``, ``cache.load``, ``detokenize``,
+  ``stream.relay``, ``stream.send``): a stage is slow for every request, not by queueing, when its
+  median span over the whole run is at least ``SLOW_STAGE_MS`` and ``SLOW_STAGE_SHARE`` of the
+  phase's target (TTFT target in the TTFT, ITL target in a gap). ``event_loop_lag`` for the part of
+  the span during which an event loop ran late (``loop_lags``), past the stage's median span when the
+  stage is slow (within its usual length a late loop costs it nothing: a planted wait or a slow write
+  takes that long anyway); the rest, up to the median span, is ``slow_stage`` when the stage is slow;
+  a span beyond the median is this request's own outlier, not the stage's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from analyzers.diagnosis.causes import (
+    BATCH_INTERFERENCE,
+    COSCHEDULED_PREFILL,
+    EVENT_LOOP_LAG,
+    HEAD_OF_LINE,
+    KV_TRANSFER,
+    LONG_PREFILL,
+    PREEMPTION,
+    PREFIX_MISS,
+    SLOW_STAGE,
+    SPECULATION,
+    Finding,
+)
+from analyzers.diagnosis.queueing import queue_findings
+from analyzers.diagnosis.run_context import RunContext
+from tokentrace.schema import Stage, col
+
+__all__ = ["ttft_findings", "gap_findings", "SLOW_STAGE_MS", "SLOW_STAGE_SHARE", "SLOW_DECODE_SHARE", "BATCH_FACTOR"]
+
+SLOW_STAGE_MS = 5.0  # a stage whose median span over the run is at least this ...
+SLOW_STAGE_SHARE = 0.1  # ... and at least this share of its phase's target (TTFT or ITL) is slow for every request
+SLOW_DECODE_SHARE = 0.5  # decode steps alone take half the ITL target or more
+BATCH_FACTOR = 1.5  # a step of 1.5x the instance's median batch is a larger batch
+WAIT_STEPS = 2.0  # a decode.queue longer than two typical steps of its instance is a wait for a place in a batch
+
+_EDGE_STAGES = (Stage.GATEWAY_ACCEPT, Stage.GATEWAY_RECEIVE, Stage.GATEWAY_TOKENIZE, Stage.GATEWAY_ROUTE,
+                Stage.CACHE_LOOKUP, Stage.CACHE_LOAD, Stage.DETOKENIZE, Stage.STREAM_RELAY, Stage.STREAM_SEND)
+_OUTPUT_STAGES = (Stage.DETOKENIZE, Stage.STREAM_RELAY, Stage.STREAM_SEND)
+
+
+def ttft_findings(ctx: RunContext, rid: int, arrival: int, first_token: int, spans: pd.DataFrame,
+                  ttft_target_ns: float) -> list[Finding]:
+    """Findings for the time to first token of ``rid`` (its spans that start before ``first_token``)."""
+    c = col
+    held = ctx.last_held.get(int(rid), 0)  # tokens delivered by the first visible content count in TTFT
+    toward = ctx.toward(rid, spans)
+    window = spans[(spans[c.START_NS] < first_token) & (toward <= max(held, 0))]
+    admitted = _admitted(spans)
+    out: list[Finding] = []
+    preempted = window[window[c.STAGE] == int(Stage.SCHEDULE_PREEMPTED)]
+    first_preempt = int(preempted[c.START_NS].min()) if len(preempted) else None
+    engine = window[~window[c.STAGE].isin([int(x) for x in _EDGE_STAGES])]
+    engine_done = int(engine[c.END_NS].max()) if len(engine) else None  # its last work toward the first content
+    for at, s in zip(window.index, window.itertuples(index=False)):
+        stage = Stage(int(getattr(s, c.STAGE)))
+        start, end = int(getattr(s, c.START_NS)), min(int(getattr(s, c.END_NS)), first_token)
+        if stage in _OUTPUT_STAGES and 0 <= toward[at] < held and engine_done is not None:
+            start = max(start, engine_done)  # a held token's relay ran beside the engine computing the next ones
+        if end <= start:
+            continue
+        inst = int(getattr(s, c.INSTANCE_ID))
+        if stage == Stage.SCHEDULE_QUEUE:
+            out += queue_findings(ctx, rid, arrival, start, end, inst)
+        elif stage == Stage.DECODE_QUEUE and (_before_admission(admitted, inst, end) or _is_wait(ctx, inst, end - start)):
+            out += queue_findings(ctx, rid, arrival, start, end, inst, stage.label)
+        elif stage == Stage.TRANSFER_KV:
+            out.append(_kv_transfer(ctx, inst, start, end, "before its first token"))
+        elif stage in _EDGE_STAGES:
+            out += _edge(ctx, stage, start, end, ttft_target_ns)
+    out += _preemption(ctx, window, first_preempt)
+    out += _prefill(ctx, rid, window, first_preempt)
+    return out
+
+
+def _preemption(ctx: RunContext, window: pd.DataFrame, first_preempt: int | None) -> list[Finding]:
+    if first_preempt is None:
+        return []
+    c = col
+    pre = window[window[c.STAGE] == int(Stage.SCHEDULE_PREEMPTED)]
+    held = float((pre[c.END_NS] - pre[c.START_NS]).sum())
+    redo = window[(window[c.STAGE] == int(Stage.PREFILL_COMPUTE)) & (window[c.START_NS] >= first_preempt)]
+    again = float((redo[c.END_NS] - redo[c.START_NS]).sum())
+    evidence = (f"was preempted {len(pre)} time(s) for {held / 1e6:,.1f} ms"
+                + (f" and recomputed {again / 1e6:,.1f} ms of prefill after it" if again > 0 else ""))
+    return [Finding(PREEMPTION, (held + again) / 1e6, evidence, stage=Stage.SCHEDULE_PREEMPTED.label)]
+
+
+def _prefill(ctx: RunContext, rid: int, window: pd.DataFrame, first_preempt: int | None) -> list[Finding]:
+    c = col
+    pre = window[window[c.STAGE] == int(Stage.PREFILL_COMPUTE)]
+    if first_preempt is not None:
+        pre = pre[pre[c.START_NS] < first_preempt]  # the recompute is the preemption's
+    if not len(pre):
+        return []
+    out: list[Finding] = []
+    req = ctx.ev.requests
+    row = req[req[c.REQUEST_ID] == rid].iloc[0]
+    prompt, cached = _num(row[c.NUM_PROMPT_TOKENS]), _num(row[c.NUM_CACHED_TOKENS])
+    hol, shared = _shared_steps(ctx, rid, pre, prompt, cached)
+    if hol.ns > 0:
+        which = ", ".join(f"{ctx.key(o)}'s {p:,.0f}-token" for o, p in list(hol.others.items())[:3])
+        out.append(Finding(HEAD_OF_LINE, hol.ns / 1e6, f"its prefill shared steps with {which} prefill "
+                           f"({hol.budget:,} prefill tokens per step), {hol.ns / 1e6:,.1f} ms of them the others' work",
+                           stage=Stage.PREFILL_COMPUTE.label, requests=tuple(ctx.key(o) for o in hol.others)))
+    if shared.ns > 0:
+        which = ", ".join(f"{ctx.key(o)} ({p:,.0f} tokens)" for o, p in list(shared.others.items())[:3])
+        more = f" and {len(shared.others) - 3} more" if len(shared.others) > 3 else ""
+        out.append(Finding(COSCHEDULED_PREFILL, shared.ns / 1e6, f"its prefill ran in {shared.num_steps} step(s) "
+                           f"that also computed {shared.tokens:,} prompt tokens of other requests ({which}{more}; up "
+                           f"to {shared.budget:,} prefill tokens per step): {shared.ns / 1e6:,.1f} ms of them the "
+                           f"others' work", stage=Stage.PREFILL_COMPUTE.label,
+                           requests=tuple(ctx.key(o) for o in shared.others)))
+    others_ns = hol.ns + shared.ns
+    miss = _prefix_miss(ctx, row, pre, prompt, cached, others_ns)
+    if miss is not None:
+        out.append(miss)
+    if prompt >= ctx.long_prompt:
+        own_ns = float((pre[c.END_NS] - pre[c.START_NS]).sum()) - others_ns - (miss.ms * 1e6 if miss else 0.0)
+        if own_ns > 0:
+            out.append(Finding(LONG_PREFILL, own_ns / 1e6, f"computed its own {prompt:,.0f}-token prefill for "
+                               f"{own_ns / 1e6:,.1f} ms (a long prompt: the run's median is "
+                               f"{ctx.median_prompt:,.0f} tokens)", stage=Stage.PREFILL_COMPUTE.label))
+    return out
+
+
+@dataclass
+class _OthersWork:
+    """Prefill-step time spent on other requests' prompt tokens (ns), the steps, their tokens and who they were."""
+
+    ns: float = 0.0
+    num_steps: int = 0
+    tokens: int = 0
+    budget: int = 0
+    others: dict[int, float] = field(default_factory=dict)  # request id -> prompt tokens
+
+    def add(self, ns: float, tokens: int, total: int, others: dict[int, float]) -> None:
+        self.ns += ns
+        self.num_steps += 1
+        self.tokens += tokens
+        self.budget = max(self.budget, total)
+        self.others.update(others)
+
+
+def _shared_steps(ctx: RunContext, rid: int, pre: pd.DataFrame, prompt: float,
+                  cached: float) -> tuple[_OthersWork, _OthersWork]:
+    """Of ``rid``'s prefill steps, the share each spent on other requests' prompt tokens: its own tokens in a step
+    are at most what was left of its uncomputed prompt (the most it can have computed there), the rest of the
+    step's prefill tokens were others'. Steps with another request's long prompt (a short request's) are
+    ``head_of_line``'s, the others ``coscheduled_prefill``'s."""
+    c = col
+    hol, shared = _OthersWork(), _OthersWork()
+    if not math.isfinite(prompt):
+        return hol, shared
+    left = max(prompt - (cached if math.isfinite(cached) else 0.0), 1.0)
+    for s in pre.sort_values(c.START_NS).itertuples(index=False):
+        step, inst = getattr(s, c.STEP), int(getattr(s, c.INSTANCE_ID))
+        if step is None or pd.isna(step):
+            continue
+        start, end = int(getattr(s, c.START_NS)), int(getattr(s, c.END_NS))
+        steps = ctx.steps_in(inst, start, end)
+        tokens = steps[steps[c.STEP] == step][c.NUM_PREFILL_TOKENS] if len(steps) else steps[c.STEP]
+        total = float(tokens.iloc[0]) if len(tokens) else math.nan
+        if not (math.isfinite(total) and total > 0):
+            continue
+        mine = min(left, total)
+        left = max(left - mine, 0.0)
+        if total <= mine:
+            continue
+        ns = (end - start) * (1 - mine / total)
+        longs = ctx.long_prefills_in(inst, int(step), rid)
+        if len(longs) and prompt < ctx.long_prompt:
+            hol.add(ns, int(total - mine), int(total),
+                    {int(o): ctx.prompts.get(int(o), math.nan) for o in longs[c.REQUEST_ID].unique()})
+        else:
+            others = ctx.prefills_in(inst, int(step), rid)
+            if len(others):  # tokens no other request's prefill span accounts for are not claimed as theirs
+                shared.add(ns, int(total - mine), int(total),
+                           {int(o): ctx.prompts.get(int(o), math.nan) for o in others[c.REQUEST_ID].unique()})
+    return hol, shared
+
+
+def _prefix_miss(ctx: RunContext, row: pd.Series, pre: pd.DataFrame, prompt: float, cached: float,
+                 others_ns: float) -> Finding | None:
+    cached = cached if math.isfinite(cached) else 0.0
+    if not (math.isfinite(prompt) and prompt > cached):
+        return None
+    if ctx.evicted_prefix:
+        return _evicted_prefix(ctx, row, pre, prompt, cached, others_ns)
+    return _prefix_miss_bound(ctx, row, pre, prompt, cached, others_ns)
+
+
+def _evicted_prefix(ctx: RunContext, row: pd.Series, pre: pd.DataFrame, prompt: float, cached: float,
+                    others_ns: float) -> Finding | None:
+    """The store says which prompt blocks past the hit the cache had held and evicted (``miss_evicted``)."""
+    lookup_ns, lost = ctx.evicted_prefix.get(int(row[col.REQUEST_ID]), (0, 0.0))
+    if lookup_ns > int(pre[col.START_NS].min()):
+        return None  # a lookup after its first prefill: its readmission after a preemption found its own blocks gone
+    lost = min(lost, prompt - cached)
+    if lost <= 0:
+        return None
+    compute_ns = float((pre[col.END_NS] - pre[col.START_NS]).sum()) - others_ns
+    extra = compute_ns * lost / (prompt - cached)
+    if extra <= 0:
+        return None
+    evidence = (f"had {cached:,.0f} of its {prompt:,.0f} prompt tokens cached: the next {lost:,.0f} had been "
+                f"computed by an earlier request and evicted before it arrived, {extra / 1e6:,.1f} ms of prefill "
+                f"to compute them again")
+    return Finding(PREFIX_MISS, extra / 1e6, evidence, stage=Stage.PREFILL_COMPUTE.label)
+
+
+def _prefix_miss_bound(ctx: RunContext, row: pd.Series, pre: pd.DataFrame, prompt: float, cached: float,
+                       others_ns: float) -> Finding | None:
+    """Without ``miss_evicted`` events: the most it could have reused bounds the miss (module doc)."""
+    c = col
+    per_block = ctx.tokens_per_block
+    full = prompt // per_block * per_block if math.isfinite(per_block) and per_block > 0 else prompt
+    # The most it could have reused: what its session's previous turn computed (carry), else the longest prefix
+    # any request of the run had cached. Without either, a prompt that shared nothing cannot be told from one
+    # whose prefix was evicted, and no miss is claimed.
+    carried = ctx.carried.get(int(row[c.REQUEST_ID]), 0.0)
+    bound = min(carried if carried > 0 else ctx.reusable_tokens, full)
+    if bound <= 0 or cached >= bound:
+        return None
+    inst = int(pre[c.INSTANCE_ID].iloc[0])
+    evicted = ctx.evicted_before(inst, int(row[c.ARRIVAL_NS]))
+    needed = math.ceil(full / per_block) if math.isfinite(per_block) and per_block > 0 else 1
+    if evicted < max(needed, 1):
+        return None
+    compute_ns = float((pre[c.END_NS] - pre[c.START_NS]).sum()) - others_ns
+    missed = bound - cached
+    extra = compute_ns * missed / (prompt - cached)
+    if extra <= 0:
+        return None
+    seen = (f"its session's previous turn had computed {carried:,.0f} of its tokens" if carried > 0
+            else f"prefixes of {ctx.reusable_tokens:,.0f} tokens hit elsewhere in the run")
+    evidence = (f"had {cached:,.0f} of its {prompt:,.0f} prompt tokens cached after its instance had evicted "
+                f"{evicted:,} cached block(s), at least a prompt's worth ({seen}): up to {extra / 1e6:,.1f} ms of "
+                f"prefill for {missed:,.0f} tokens it could have reused")
+    return Finding(PREFIX_MISS, extra / 1e6, evidence, stage=Stage.PREFILL_COMPUTE.label)
+
+
+def _edge(ctx: RunContext, stage: Stage, start: int, end: int, target_ns: float) -> list[Finding]:
+    out: list[Finding] = []
+    median = ctx.stage_median_ns.get(stage, math.nan)
+    slow = math.isfinite(median) and median >= max(SLOW_STAGE_MS * 1e6, SLOW_STAGE_SHARE * target_ns)
+    # A stage slow for every request takes its median span anyway: a late loop within it costs nothing more.
+    lag = ctx.lag_overlap_ns(min(start + int(median), end) if slow else start, end)
+    if lag > 0:
+        out.append(Finding(EVENT_LOOP_LAG, lag / 1e6, f"was held {lag / 1e6:,.1f} ms by an event loop running late "
+                           f"during its {stage.label}", stage=stage.label))
+    rest = min((end - start) - lag, median)
+    if rest > 0 and slow:
+        out.append(Finding(SLOW_STAGE, rest / 1e6, f"spent {(end - start) / 1e6:,.1f} ms in {stage.label}, which "
+                           f"takes {median / 1e6:,.1f} ms per span for every request (median over the run)",
+                           stage=stage.label))
+    return out
+
+
+def gap_findings(ctx: RunContext, rid: int, token: int, lo: int, hi: int, spans: pd.DataFrame,
+                 itl_target_ns: float) -> list[Finding]:
+    """Findings for token ``token``'s gap ``(lo, hi]`` of request ``rid``."""
+    c = col
+    toward = ctx.toward(rid, spans)
+    mine = spans[((toward == token) | (spans[c.TOKEN_INDEX] < 0)) & (spans[c.END_NS] > lo) & (spans[c.START_NS] < hi)]
+    out: list[Finding] = []
+    admitted = _admitted(spans)
+    decode_inst, decode_spans = None, []
+    preempted_ns, recompute_ns = 0, 0
+    for s in mine.itertuples(index=False):
+        stage = Stage(int(getattr(s, c.STAGE)))
+        start, end = max(int(getattr(s, c.START_NS)), lo), min(int(getattr(s, c.END_NS)), hi)
+        if end <= start:
+            continue
+        if stage == Stage.SCHEDULE_PREEMPTED:
+            preempted_ns += end - start
+        elif stage == Stage.SCHEDULE_QUEUE:
+            out += queue_findings(ctx, rid, lo, start, end, int(getattr(s, c.INSTANCE_ID)))
+        elif stage == Stage.PREFILL_COMPUTE:  # the prompt's own prefill works toward token 0: in a gap, a recompute
+            recompute_ns += end - start
+        elif stage == Stage.TRANSFER_KV:
+            out.append(_kv_transfer(ctx, int(getattr(s, c.INSTANCE_ID)), start, end, f"before token {token}"))
+        elif stage == Stage.DECODE_QUEUE and (_before_admission(admitted, int(getattr(s, c.INSTANCE_ID)), end)
+                                              or _is_wait(ctx, int(getattr(s, c.INSTANCE_ID)), end - start)):
+            out += queue_findings(ctx, rid, lo, start, end, int(getattr(s, c.INSTANCE_ID)), stage.label)
+        elif stage in (Stage.DECODE_QUEUE, Stage.DECODE_COMPUTE):
+            decode_inst = int(getattr(s, c.INSTANCE_ID)) if decode_inst is None else decode_inst
+            decode_spans.append((start, end))
+        elif stage in _EDGE_STAGES:
+            out += _edge(ctx, stage, start, end, itl_target_ns)
+    if preempted_ns + recompute_ns > 0:  # one cause: the time held out and the prefill it paid again
+        again = f" and recomputed {recompute_ns / 1e6:,.1f} ms of prefill" if recompute_ns > 0 else ""
+        held = f"was preempted for {preempted_ns / 1e6:,.1f} ms" if preempted_ns > 0 else "was preempted"
+        out.append(Finding(PREEMPTION, (preempted_ns + recompute_ns) / 1e6, f"{held}{again} before token {token}",
+                           stage=Stage.SCHEDULE_PREEMPTED.label))
+    if decode_inst is not None and decode_spans:
+        out += _decode(ctx, rid, token, decode_inst, decode_spans, itl_target_ns)
+    out += _speculation(ctx, rid, token)
+    return out
+
+
+_KV_SIDES = {  # which piece of a KV handoff a process records (docs/instrument-serving.md), and what it is
+    "prefill": "(the prefill worker's part: from its token 0 to its first chunk written)",
+    "gateway": "(in flight: from the first chunk's write to the decode worker reading it)",
+    "decode": "(the decode worker's part: receiving its chunks)",
+}
+
+
+def _kv_transfer(ctx: RunContext, instance: int, start: int, end: int, when: str) -> Finding:
+    """A KV handoff's time, saying which piece it was: the recording process tells (prefill: up to its first
+    chunk written, gateway: in flight, decode: receiving)."""
+    side = _KV_SIDES.get(ctx.pool_of(instance) or "")
+    where = f" {side}" if side else ""
+    return Finding(KV_TRANSFER, (end - start) / 1e6, f"waited {(end - start) / 1e6:,.1f} ms for its KV transfer "
+                   f"{when}{where}", stage=Stage.TRANSFER_KV.label)
+
+
+def _admitted(spans: pd.DataFrame) -> dict[int, int]:
+    """Per instance, when the request's first compute (prefill or decode) began there, ns."""
+    c = col
+    work = spans[spans[c.STAGE].isin([int(Stage.PREFILL_COMPUTE), int(Stage.DECODE_COMPUTE)])]
+    return {int(i): int(t) for i, t in work.groupby(c.INSTANCE_ID)[c.START_NS].min().items()}
+
+
+def _before_admission(admitted: dict[int, int], inst: int, end: int) -> bool:
+    """A ``decode.queue`` interval that ends by the request's first compute on its instance (or on an instance
+    that never computed it): the wait of a disaggregated decode worker's admission, for room in a full decode pool
+    (back-pressure after the KV transfer) or for its first place in a batch, not for the next step."""
+    return end <= admitted.get(int(inst), end)
+
+
+def _is_wait(ctx: RunContext, inst: int, queue_ns: int) -> bool:
+    """A decode.queue interval longer than ``WAIT_STEPS`` of the instance's typical steps: the token waited for
+    a place in a batch (admission on a full decode instance), not for the step being formed."""
+    g = ctx.ev.steps
+    durations = (g[g[col.INSTANCE_ID] == inst][col.END_NS] - g[g[col.INSTANCE_ID] == inst][col.START_NS])
+    typical = float(durations.median()) if len(durations) else math.nan
+    return math.isfinite(typical) and queue_ns > WAIT_STEPS * typical
+
+
+def _decode(ctx: RunContext, rid: int, token: int, inst: int, decode_spans: list[tuple[int, int]],
+            itl_target_ns: float) -> list[Finding]:
+    """The gap's time in ``decode.queue`` / ``decode.compute`` (``decode_spans``, clipped to the gap): only the
+    steps while it waited there, never those while it was preempted or recomputing."""
+    c = col
+    decode_ns = sum(b - a for a, b in decode_spans)
+    steps = ctx.steps_during(inst, decode_spans)
+    typical, median_seqs = ctx.decode_step_ns(inst), ctx.median_seqs(inst)
+    prefill_ns, batch_ns, prefill_tokens, largest, holders = 0.0, 0.0, 0, 0, {}
+    for s in steps.itertuples(index=False):
+        p, d = int(getattr(s, c.NUM_PREFILL_TOKENS)), int(getattr(s, c.NUM_DECODE_TOKENS))
+        ov = float(getattr(s, "overlap_ns"))
+        seqs = int(getattr(s, c.NUM_SEQS))
+        if p > 0 and p + d > 0:
+            prefill_ns += ov * p / (p + d)
+            prefill_tokens += p
+            for other in ctx.long_prefills_in(inst, int(getattr(s, c.STEP)), rid)[c.REQUEST_ID].unique():
+                holders[int(other)] = ctx.prompts.get(int(other), math.nan)
+        elif math.isfinite(median_seqs) and seqs > BATCH_FACTOR * median_seqs and math.isfinite(typical):
+            batch_ns += max(ov - typical, 0.0)
+            largest = max(largest, seqs)
+    out: list[Finding] = []
+    if prefill_ns > 0:
+        named = "".join(f", {ctx.key(o)}'s {p:,.0f}-token" for o, p in list(holders.items())[:3])
+        out.append(Finding(BATCH_INTERFERENCE, prefill_ns / 1e6, f"waited {prefill_ns / 1e6:,.1f} ms before token {token} while its decode steps also computed "
+                           f"{prefill_tokens:,} prefill tokens{named and ' (' + named[2:] + ' prefill)'}", stage=Stage.DECODE_COMPUTE.label,
+                           requests=tuple(ctx.key(o) for o in holders)))
+    if batch_ns > 0:
+        out.append(Finding(BATCH_INTERFERENCE, batch_ns / 1e6, f"waited {batch_ns / 1e6:,.1f} ms more than a typical decode "
+                           f"step before token {token}, in a batch of {largest} sequences against a median of "
+                           f"{median_seqs:,.0f}", stage=Stage.DECODE_COMPUTE.label))
+    if math.isfinite(typical) and typical >= max(SLOW_DECODE_SHARE * itl_target_ns, SLOW_STAGE_MS * 1e6):
+        rest = max(decode_ns - prefill_ns - batch_ns, 0.0)
+        if rest > 0:
+            out.append(Finding(SLOW_STAGE, rest / 1e6, f"waited for decode steps that alone take {typical / 1e6:,.1f} ms "
+                               f"(median over the run), {typical / itl_target_ns * 100:,.0f}% of the ITL target",
+                               stage=Stage.DECODE_COMPUTE.label))
+    return out
+
+
+def _speculation(ctx: RunContext, rid: int, token: int) -> list[Finding]:
+    c = col
+    spec = ctx.ev.speculation
+    if not len(spec):
+        return []
+    mine = spec[(spec[c.REQUEST_ID] == rid) & (spec[c.FIRST_TOKEN_INDEX] == token)]
+    wasted = 0.0
+    for s in mine.itertuples(index=False):
+        proposed = int(getattr(s, c.NUM_PROPOSED))
+        if proposed > 0:
+            draft = int(getattr(s, c.DRAFT_END_NS)) - int(getattr(s, c.DRAFT_START_NS))
+            wasted += draft * (proposed - int(getattr(s, c.NUM_ACCEPTED))) / proposed
+    if wasted <= 0:
+        return []
+    return [Finding(SPECULATION, wasted / 1e6, f"lost {wasted / 1e6:,.1f} ms to rejected draft work before token "
+                    f"{token}", stage=Stage.DECODE_DRAFT.label)]
+
+
+def _num(value: object) -> float:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+    return v
