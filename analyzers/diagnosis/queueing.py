@@ -10,8 +10,10 @@ In order, each taking what the previous left of the wait:
    the wait, one other tenant holds the most, at least ``NEIGHBOUR_SHARE`` x an even share (1 / the run's
    tenants), with at least ``NEIGHBOUR_MIN_REQUESTS``
    requests, which arrived (from the first of them to the last) at ``NEIGHBOUR_RATE_FACTOR`` x an even
-   share of the run's offered rate (offered rate / tenants) or faster: that tenant's share of the seats,
-   of the rest of the wait. Without step ids on the spans, the requests in the system when the wait
+   share of the run's offered rate (offered rate / tenants) or faster, and were at least
+   ``NEIGHBOUR_OWN_FACTOR`` x the tenant's share of the run's requests among all arrivals while they came
+   (its own burst, not its part of one every tenant sent): that tenant's share of the seats, of the rest
+   of the wait. Without step ids on the spans, the requests in the system when the wait
    began stand for the seats, one each.
 3. ``overload``: the load analysis called the run saturated (arrivals outran service for a
    sustained period): the rest of the wait, naming the pool it waited in (its instance's role; the pool
@@ -34,12 +36,13 @@ from analyzers.diagnosis.causes import BURST, HEAD_OF_LINE, NOISY_NEIGHBOUR, OVE
 from analyzers.diagnosis.run_context import RunContext
 from tokentrace.schema import col
 
-__all__ = ["queue_findings", "NEIGHBOUR_SHARE", "NEIGHBOUR_RATE_FACTOR", "NEIGHBOUR_MIN_REQUESTS", "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR",
-           "MIN_WAIT_MS"]
+__all__ = ["queue_findings", "NEIGHBOUR_SHARE", "NEIGHBOUR_RATE_FACTOR", "NEIGHBOUR_MIN_REQUESTS", "NEIGHBOUR_OWN_FACTOR",
+           "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR", "MIN_WAIT_MS", "arrival_share"]
 
 NEIGHBOUR_SHARE = 1.25  # one other tenant holds the most batch seats, at least 1.25x an even share (1 / tenants) ...
 NEIGHBOUR_RATE_FACTOR = 2.0  # ... and arrived at twice an even share of the offered rate ...
-NEIGHBOUR_MIN_REQUESTS = 4  # ... with at least this many of its requests ahead
+NEIGHBOUR_MIN_REQUESTS = 4  # ... with at least this many of its requests ahead ...
+NEIGHBOUR_OWN_FACTOR = 1.5  # ... that were 1.5x its run-wide share of the arrivals while they came
 BURST_MIN_REQUESTS = 4  # a burst: at least 4 requests in the system, this one included ...
 BURST_RATE_FACTOR = 1.5  # ... that arrived at 1.5x the mean offered rate or faster
 MIN_WAIT_MS = 0.5  # waits shorter than this are not worth a cause
@@ -111,12 +114,14 @@ def _noisy_neighbour(ctx: RunContext, rid: int, start: int, end: int, instance: 
         arrivals = [ctx.arrival_of(int(r)) for r in theirs]
         window_s = (max(arrivals) - min(arrivals)) / 1e9
         rate = (len(theirs) - 1) / window_s if window_s > 0 else math.inf
-        if rate >= NEIGHBOUR_RATE_FACTOR * even:
+        during, usual = arrival_share(ctx, tenant, min(arrivals), max(arrivals))
+        if rate >= NEIGHBOUR_RATE_FACTOR * even and during >= NEIGHBOUR_OWN_FACTOR * usual:
             ms = rest_ns * held / 1e6
             return Finding(NOISY_NEIGHBOUR, ms, f"waited {ms:,.1f} ms while tenant {tenant or '(none)'}'s requests "
                            f"held {held * 100:.0f}% of the engine's batch seats ({len(theirs)} requests, arriving "
-                           f"at {rate:,.1f} req/s against an even share of {even:,.2f} req/s per tenant)",
-                           stage=stage, tenant=tenant)
+                           f"at {rate:,.1f} req/s against an even share of {even:,.2f} req/s per tenant; "
+                           f"{during * 100:.0f}% of the arrivals while they came, against {usual * 100:.0f}% of the "
+                           f"run's)", stage=stage, tenant=tenant)
     return _backlog(ctx, seats, mine, rest_ns, stage, even)
 
 
@@ -124,7 +129,7 @@ def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, rest_ns: float, st
              even: float) -> Finding | None:
     """The seats' holders queued behind another tenant's burst: a seat counts for that tenant by the share of
     the requests ahead of its holder (transitively) that were the tenant's (:func:`displaced_shares`)."""
-    best: tuple[float, str, tuple[int, float]] | None = None
+    best: tuple[float, str, tuple[int, float, float, float]] | None = None
     for tenant in ctx.tenant_rps:
         if tenant == mine:
             continue
@@ -139,19 +144,21 @@ def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, rest_ns: float, st
             best = (held, tenant, burst)
     if best is None or best[0] < NEIGHBOUR_SHARE / len(ctx.tenant_rps):
         return None
-    held, tenant, (num, rate) = best
+    held, tenant, (num, rate, during, usual) = best
     ms = rest_ns * held / 1e6
     evidence = (f"waited {ms:,.1f} ms behind the backlog tenant {tenant or '(none)'}'s burst built: "
                 f"{held * 100:.0f}% of the engine's batch seats during its wait went to its requests or to requests "
                 f"that had queued behind them ({num} requests, arriving at {rate:,.1f} req/s against an even share "
-                f"of {even:,.2f} req/s per tenant)")
+                f"of {even:,.2f} req/s per tenant; {during * 100:.0f}% of the arrivals while they came, against "
+                f"{usual * 100:.0f}% of the run's)")
     return Finding(NOISY_NEIGHBOUR, ms, evidence, stage=stage, tenant=tenant)
 
 
-def tenant_burst(ctx: RunContext, tenant: str, min_rps: float) -> tuple[int, float] | None:
-    """The tenant's largest burst: ``NEIGHBOUR_MIN_REQUESTS`` or more of its requests arriving one after another
-    at ``min_rps`` or faster (each in such a run of ``NEIGHBOUR_MIN_REQUESTS``): (requests, their rate);
-    None when it never sent one."""
+def tenant_burst(ctx: RunContext, tenant: str, min_rps: float) -> tuple[int, float, float, float] | None:
+    """The tenant's largest burst of its own: ``NEIGHBOUR_MIN_REQUESTS`` or more of its requests arriving one
+    after another at ``min_rps`` or faster (each in such a run of ``NEIGHBOUR_MIN_REQUESTS``), that were at least
+    ``NEIGHBOUR_OWN_FACTOR`` x its usual share of the arrivals while they came: (requests, their rate, that share,
+    the usual share); None when it never sent one."""
     key = ("burst", tenant, min_rps)
     if key not in ctx.memo:
         a = np.sort(ctx.arrivals_of(np.flatnonzero(ctx.tenants_of(np.arange(len(ctx.ev.requests))) == tenant)))
@@ -167,10 +174,46 @@ def tenant_burst(ctx: RunContext, tenant: str, min_rps: float) -> tuple[int, flo
             for lo, hi in zip(edges[::2], edges[1::2]):
                 window_s = (a[hi - 1] - a[lo]) / 1e9
                 rate = (hi - lo - 1) / window_s if window_s > 0 else math.inf
-                if best is None or hi - lo > best[0]:
-                    best = (int(hi - lo), rate)
+                during, usual = arrival_share(ctx, tenant, int(a[lo]), int(a[hi - 1]))
+                if during >= NEIGHBOUR_OWN_FACTOR * usual and (best is None or hi - lo > best[0]):
+                    best = (int(hi - lo), rate, during, usual)
         ctx.memo[key] = best
     return ctx.memo[key]
+
+
+def arrival_share(ctx: RunContext, tenant: str, lo: int, hi: int) -> tuple[float, float]:
+    """The tenant's share of the run's arrivals from ``lo`` to ``hi`` (ns), widened to the whole run-wide burst
+    around them, and its share of the run's requests.
+
+    The run's bursts are its arrivals that came ``BURST_MIN_REQUESTS`` at a time at ``BURST_RATE_FACTOR`` x the
+    mean offered rate or faster (as ``burst`` counts them). A tenant's requests packed into a burst every tenant
+    sent (a replayed trace whose requests come at one instant) are about its usual share of that burst, however
+    a few of them bunch inside it: the burst is the run's, not the tenant's."""
+    if "arrival_order" not in ctx.memo:
+        every = np.arange(len(ctx.ev.requests))
+        order = np.argsort(ctx.arrivals_of(every), kind="stable")
+        a, t = ctx.arrivals_of(every)[order], ctx.tenants_of(every)[order]
+        cluster = np.full(len(a), -1)  # each arrival's run-wide burst (-1: none)
+        k = BURST_MIN_REQUESTS
+        if len(a) >= k and math.isfinite(ctx.offered_rps):
+            dense = np.flatnonzero(k - 1 >= BURST_RATE_FACTOR * ctx.offered_rps * (a[k - 1:] - a[:len(a) - k + 1]) / 1e9)
+            inside = np.zeros(len(a), dtype=bool)
+            for i in dense:
+                inside[i:i + k] = True
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], inside.astype(int), [0]])))
+            for n, (start, stop) in enumerate(zip(edges[::2], edges[1::2])):
+                cluster[start:stop] = n
+        ctx.memo["arrival_order"] = (a, t, cluster)
+    arrivals, tenants, cluster = ctx.memo["arrival_order"]
+    i, j = int(np.searchsorted(arrivals, lo, side="left")), int(np.searchsorted(arrivals, hi, side="right"))
+    if j > i:
+        if cluster[i] >= 0:
+            i = int(np.flatnonzero(cluster == cluster[i])[0])
+        if cluster[j - 1] >= 0:
+            j = int(np.flatnonzero(cluster == cluster[j - 1])[-1]) + 1
+    usual = float(np.mean(tenants == tenant)) if len(tenants) else 0.0
+    during = float(np.mean(tenants[i:j] == tenant)) if j > i else 0.0
+    return during, usual
 
 
 def displaced_shares(ctx: RunContext, tenant: str) -> dict[int, float]:

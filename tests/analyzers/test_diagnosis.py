@@ -216,6 +216,21 @@ def test_a_quiet_request_behind_the_backlog_a_noisy_burst_built_is_a_noisy_neigh
     assert not len(early), early  # before the burst the quiet tenants met their target
 
 
+def test_a_burst_every_tenant_sends_its_share_of_is_a_burst_not_a_noisy_neighbour():
+    """A trace whose requests of every tenant come at one instant (as in a replayed production trace): the
+    tenant with the most seats sent its usual share of the burst, so no tenant is the others' neighbour."""
+    h = HandMade()
+    mix = ["acme", "acme", "globex", "initech"]  # acme sends half of everything, in and out of the burst
+    arrivals = [i * 1000.0 for i in range(20)] + [20_000 + i * 10.0 for i in range(8)] + [24_000 + i * 1000.0
+                                                                                          for i in range(6)]
+    tenants = [mix[i % 4] for i in range(len(arrivals))]
+    simulate(h, arrivals, mode="colocated", decode_step_ms=20.0, output=10, prompt=20, tenants=tenants)
+    d = diagnose(h.source())
+    late = d.requests[d.requests[col.ARRIVAL_NS] >= 20_000 * 1e6]
+    assert len(late) >= 4 and set(late["first_cause"]) == {"burst"}, d.requests
+    assert "noisy_neighbour" not in set(d.causes["cause"]), d.causes[["cause", "evidence"]]
+
+
 def test_preemption_counts_the_preempted_time_and_the_recompute(handmade):
     h = handmade
     h.request(1, 0, 300, prompt=10).tokens(1, [300])
