@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -122,63 +123,92 @@ def _noisy_neighbour(ctx: RunContext, rid: int, start: int, end: int, instance: 
                            f"at {rate:,.1f} req/s against an even share of {even:,.2f} req/s per tenant; "
                            f"{during * 100:.0f}% of the arrivals while they came, against {usual * 100:.0f}% of the "
                            f"run's)", stage=stage, tenant=tenant)
-    return _backlog(ctx, seats, mine, rest_ns, stage, even)
+    return _backlog(ctx, seats, mine, start, rest_ns, stage, even)
 
 
-def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, rest_ns: float, stage: str,
+def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, start: int, rest_ns: float, stage: str,
              even: float) -> Finding | None:
-    """The seats' holders queued behind another tenant's burst: a seat counts for that tenant by the share of
-    the requests ahead of its holder (transitively) that were the tenant's (:func:`displaced_shares`)."""
-    best: tuple[float, str, tuple[int, float, float, float]] | None = None
+    """The seats' holders queued behind another tenant's burst of its own (:func:`tenant_bursts`): a seat counts
+    for that tenant by the share of the requests ahead of its holder (transitively) that were the burst's
+    (:func:`displaced_shares`); only while that burst's backlog had not drained when the wait began
+    (:func:`drained_after` its requests' finish)."""
+    best: tuple[float, str, Burst] | None = None
     for tenant in ctx.tenant_rps:
         if tenant == mine:
             continue
-        burst = tenant_burst(ctx, tenant, NEIGHBOUR_RATE_FACTOR * even)
-        if burst is None:
+        bursts = [b for b in tenant_bursts(ctx, tenant, NEIGHBOUR_RATE_FACTOR * even)
+                  if b.first_ns < start < drained_after(ctx, b.last_end_ns)]
+        if not bursts:
             continue
-        shares = displaced_shares(ctx, tenant)
-        weight = np.where(seats["tenant"].to_numpy() == tenant, 1.0,
-                          [shares.get(int(r), 0.0) for r in seats[col.REQUEST_ID]])
+        shares, members = displaced_shares(ctx, tenant, NEIGHBOUR_RATE_FACTOR * even)
+        weight = np.array([1.0 if int(r) in members else shares.get(int(r), 0.0) for r in seats[col.REQUEST_ID]])
         held = math.fsum(weight) / len(weight)  # exactly rounded: the same whatever order the seats came in
         if best is None or held > best[0]:
-            best = (held, tenant, burst)
+            best = (held, tenant, max(bursts, key=lambda b: b.first_ns))
     if best is None or best[0] < NEIGHBOUR_SHARE / len(ctx.tenant_rps):
         return None
-    held, tenant, (num, rate, during, usual) = best
+    held, tenant, b = best
     ms = rest_ns * held / 1e6
     evidence = (f"waited {ms:,.1f} ms behind the backlog tenant {tenant or '(none)'}'s burst built: "
                 f"{held * 100:.0f}% of the engine's batch seats during its wait went to its requests or to requests "
-                f"that had queued behind them ({num} requests, arriving at {rate:,.1f} req/s against an even share "
-                f"of {even:,.2f} req/s per tenant; {during * 100:.0f}% of the arrivals while they came, against "
-                f"{usual * 100:.0f}% of the run's)")
+                f"that had queued behind them ({b.size} requests, arriving at {b.rps:,.1f} req/s against an even "
+                f"share of {even:,.2f} req/s per tenant; {b.share * 100:.0f}% of the arrivals while they came, "
+                f"against {b.usual_share * 100:.0f}% of the run's)")
     return Finding(NOISY_NEIGHBOUR, ms, evidence, stage=stage, tenant=tenant)
 
 
-def tenant_burst(ctx: RunContext, tenant: str, min_rps: float) -> tuple[int, float, float, float] | None:
-    """The tenant's largest burst of its own: ``NEIGHBOUR_MIN_REQUESTS`` or more of its requests arriving one
-    after another at ``min_rps`` or faster (each in such a run of ``NEIGHBOUR_MIN_REQUESTS``), that were at least
-    ``NEIGHBOUR_OWN_FACTOR`` x its usual share of the arrivals while they came: (requests, their rate, that share,
-    the usual share); None when it never sent one."""
-    key = ("burst", tenant, min_rps)
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """A tenant's burst of its own: its requests (row positions in the run's requests), how many, how fast,
+    their share of the arrivals while they came and the tenant's share of the run's; when the first arrived
+    and the last of them finished (ns)."""
+
+    rows: np.ndarray
+    size: int
+    rps: float
+    share: float
+    usual_share: float
+    first_ns: int
+    last_end_ns: float
+
+
+def tenant_bursts(ctx: RunContext, tenant: str, min_rps: float) -> list[Burst]:
+    """The tenant's bursts of its own: ``NEIGHBOUR_MIN_REQUESTS`` or more of its requests arriving one after
+    another at ``min_rps`` or faster (each in such a run of ``NEIGHBOUR_MIN_REQUESTS``, :func:`dense_runs`), that
+    were at least ``NEIGHBOUR_OWN_FACTOR`` x its usual share of the arrivals while they came
+    (:func:`arrival_share`); in arrival order."""
+    key = ("bursts", tenant, min_rps)
     if key not in ctx.memo:
-        a = np.sort(ctx.arrivals_of(np.flatnonzero(ctx.tenants_of(np.arange(len(ctx.ev.requests))) == tenant)))
-        k = NEIGHBOUR_MIN_REQUESTS
-        best = None
-        if len(a) >= k:
-            span_s = (a[k - 1:] - a[:len(a) - k + 1]) / 1e9
-            dense = np.flatnonzero(k - 1 >= min_rps * span_s)  # windows of k arrivals at min_rps or faster
-            inside = np.zeros(len(a), dtype=bool)
-            for i in dense:
-                inside[i:i + k] = True
-            edges = np.flatnonzero(np.diff(np.concatenate([[0], inside.astype(int), [0]])))
-            for lo, hi in zip(edges[::2], edges[1::2]):
-                window_s = (a[hi - 1] - a[lo]) / 1e9
-                rate = (hi - lo - 1) / window_s if window_s > 0 else math.inf
-                during, usual = arrival_share(ctx, tenant, int(a[lo]), int(a[hi - 1]))
-                if during >= NEIGHBOUR_OWN_FACTOR * usual and (best is None or hi - lo > best[0]):
-                    best = (int(hi - lo), rate, during, usual)
-        ctx.memo[key] = best
+        theirs = np.flatnonzero(ctx.tenants_of(np.arange(len(ctx.ev.requests))) == tenant)
+        theirs = theirs[np.argsort(ctx.arrivals_of(theirs), kind="stable")]
+        a = ctx.arrivals_of(theirs)
+        out = []
+        for lo, hi in dense_runs(a, NEIGHBOUR_MIN_REQUESTS, min_rps):
+            window_s = (a[hi - 1] - a[lo]) / 1e9
+            rate = (hi - lo - 1) / window_s if window_s > 0 else math.inf
+            during, usual = arrival_share(ctx, tenant, int(a[lo]), int(a[hi - 1]))
+            if during >= NEIGHBOUR_OWN_FACTOR * usual:
+                rows = theirs[lo:hi]
+                out.append(Burst(rows, int(hi - lo), rate, during, usual, int(a[lo]), float(ctx.ends_of(rows).max())))
+        ctx.memo[key] = out
     return ctx.memo[key]
+
+
+def dense_runs(arrivals: np.ndarray, k: int, min_rps: float) -> list[tuple[int, int]]:
+    """The runs ``[lo, hi)`` of sorted ``arrivals`` (ns) that came ``k`` at a time at ``min_rps`` or faster: windows
+    of ``k`` consecutive arrivals that fast, joined where they share an arrival (two dense stretches one after
+    the other, with no such window across their border, stay two)."""
+    a = np.asarray(arrivals)
+    if len(a) < k or k < 2:
+        return []
+    starts = np.flatnonzero(k - 1 >= min_rps * (a[k - 1:] - a[:len(a) - k + 1]) / 1e9)
+    runs: list[tuple[int, int]] = []
+    for s0 in starts.tolist():
+        if runs and s0 < runs[-1][1]:  # overlaps the run so far
+            runs[-1] = (runs[-1][0], s0 + k)
+        else:
+            runs.append((s0, s0 + k))
+    return runs
 
 
 def arrival_share(ctx: RunContext, tenant: str, lo: int, hi: int) -> tuple[float, float]:
@@ -194,14 +224,8 @@ def arrival_share(ctx: RunContext, tenant: str, lo: int, hi: int) -> tuple[float
         order = np.argsort(ctx.arrivals_of(every), kind="stable")
         a, t = ctx.arrivals_of(every)[order], ctx.tenants_of(every)[order]
         cluster = np.full(len(a), -1)  # each arrival's run-wide burst (-1: none)
-        k = BURST_MIN_REQUESTS
-        if len(a) >= k and math.isfinite(ctx.offered_rps):
-            dense = np.flatnonzero(k - 1 >= BURST_RATE_FACTOR * ctx.offered_rps * (a[k - 1:] - a[:len(a) - k + 1]) / 1e9)
-            inside = np.zeros(len(a), dtype=bool)
-            for i in dense:
-                inside[i:i + k] = True
-            edges = np.flatnonzero(np.diff(np.concatenate([[0], inside.astype(int), [0]])))
-            for n, (start, stop) in enumerate(zip(edges[::2], edges[1::2])):
+        if math.isfinite(ctx.offered_rps):
+            for n, (start, stop) in enumerate(dense_runs(a, BURST_MIN_REQUESTS, BURST_RATE_FACTOR * ctx.offered_rps)):
                 cluster[start:stop] = n
         ctx.memo["arrival_order"] = (a, t, cluster)
     arrivals, tenants, cluster = ctx.memo["arrival_order"]
@@ -216,26 +240,59 @@ def arrival_share(ctx: RunContext, tenant: str, lo: int, hi: int) -> tuple[float
     return during, usual
 
 
-def displaced_shares(ctx: RunContext, tenant: str) -> dict[int, float]:
-    """Per request, the share of the requests in the system when it arrived that were ``tenant``'s, counting
-    each other request ahead of it by its own share (it queued behind them in turn): one sweep in arrival order."""
-    key = ("displaced", tenant)
+def displaced_shares(ctx: RunContext, tenant: str, min_rps: float) -> tuple[dict[int, float], set[int]]:
+    """Per request, the share of the requests in the system when it arrived that were of ``tenant``'s bursts of
+    its own (:func:`tenant_bursts` at ``min_rps``), counting each other request ahead of it by its own share (it
+    queued behind them in turn): one sweep in arrival order; and the ids of those bursts' requests. The tenant's
+    other requests count like anyone's: its part of a burst every tenant sent is not its burst.
+
+    A backlog ends when it drains: once every burst request that had arrived has finished and then every
+    instance's waiting queue has been empty (:func:`drained_after`), the other requests in the system stop
+    counting for the tenant; a request arriving later waits behind what came after."""
+    key = ("displaced", tenant, min_rps)
     if key not in ctx.memo:
         n = len(ctx.ev.requests)
         arrivals, ends = ctx.arrivals_of(np.arange(n)), ctx.ends_of(np.arange(n))
-        is_theirs = ctx.tenants_of(np.arange(n)) == tenant
+        is_theirs = np.zeros(n, dtype=bool)
+        for b in tenant_bursts(ctx, tenant, min_rps):
+            is_theirs[b.rows] = True
         weight, share = np.zeros(n), np.zeros(n)
         active: list[tuple[float, int]] = []
-        total = 0.0
+        total, theirs_end, cleared = 0.0, None, True
         for i in np.argsort(arrivals, kind="stable"):
             while active and active[0][0] <= arrivals[i]:
                 total -= weight[heapq.heappop(active)[1]]
+            if not cleared and arrivals[i] >= drained_after(ctx, theirs_end):
+                for _, j in active:
+                    if not is_theirs[j]:
+                        total -= weight[j]
+                        weight[j] = 0.0
+                cleared = True
             share[i] = total / len(active) if active else 0.0
             weight[i] = 1.0 if is_theirs[i] else share[i]
             heapq.heappush(active, (float(ends[i]), int(i)))
             total += weight[i]
-        ctx.memo[key] = dict(zip(ctx.ids_of(np.arange(n)).tolist(), share.tolist()))
+            if is_theirs[i]:
+                theirs_end, cleared = max(theirs_end or 0.0, float(ends[i])), False
+        ids = ctx.ids_of(np.arange(n))
+        ctx.memo[key] = (dict(zip(ids.tolist(), share.tolist())), set(ids[is_theirs].tolist()))
     return ctx.memo[key]
+
+
+def drained_after(ctx: RunContext, t_ns: float) -> float:
+    """When every instance's waiting queue was first empty at or after ``t_ns``: the latest of each instance's
+    first step ending then with no request waiting (``t_ns`` for an instance with none)."""
+    if "empty_queue_ends" not in ctx.memo:
+        steps = ctx.ev.steps
+        empty = steps[steps[col.NUM_WAITING] <= 0] if len(steps) and col.NUM_WAITING in steps else steps.iloc[:0]
+        ctx.memo["empty_queue_ends"] = [np.sort(g[col.END_NS].to_numpy("int64"))
+                                        for _, g in empty.groupby(col.INSTANCE_ID)]
+    out = float(t_ns)
+    for ends in ctx.memo["empty_queue_ends"]:
+        k = int(np.searchsorted(ends, t_ns, side="left"))
+        if k < len(ends):
+            out = max(out, float(ends[k]))
+    return out
 
 
 def _load_finding(ctx: RunContext, arrival: int, ahead: np.ndarray, rest_ns: float, stage: str,

@@ -231,6 +231,30 @@ def test_a_burst_every_tenant_sends_its_share_of_is_a_burst_not_a_noisy_neighbou
     assert "noisy_neighbour" not in set(d.causes["cause"]), d.causes[["cause", "evidence"]]
 
 
+def test_a_wait_that_began_after_the_noisy_backlog_drained_is_not_a_noisy_neighbours(handmade):
+    """q1 queued behind tenant noisy's burst (its share of the seats counts for noisy), then the queue drained
+    (a step with nobody waiting after noisy's last request finished); q2 arrived later and waited for q1's
+    seat: that wait is not the burst's."""
+    h = handmade
+    for rid in (1, 2, 3, 4):  # noisy's burst: 4 requests in 3 ms, prefilled in the first two steps
+        _short(h, rid, rid - 1, prefill=(0 if rid < 3 else 25, 25 if rid < 3 else 50, 1 if rid < 3 else 2),
+               tenant="noisy")
+    h.step(1, 0, 25, prefill=40, waiting=1).step(2, 25, 50, prefill=40, waiting=1).step(3, 50, 60, prefill=10)
+    q1_tokens = [60 + 20 * k for k in range(18)]  # decodes to 400 alone, one step per token
+    _short(h, 5, 4, queue=(4, 50), prefill=(50, 60, 3), tokens=q1_tokens, tenant="quiet")
+    for k, t in enumerate(q1_tokens[1:], 4):
+        h.step(k, t - 20, t, decode=1, waiting=1 if t > 200 else 0)
+        h.span(5, Stage.DECODE_COMPUTE, t - 20, t, k - 3, step=k)
+    h.step(30, 400, 410, prefill=10)
+    _short(h, 6, 200, queue=(200, 400), prefill=(400, 410, 30), tokens=[410], tenant="quiet")
+    for rid in range(7, 13):  # the quiet tenant's steady requests, served at once, later
+        _short(h, rid, 1000 + 200 * rid, prefill=(1000 + 200 * rid, 1005 + 200 * rid, 100 + rid), tenant="quiet")
+    d = diagnose(h.source(), targets=Targets(ttft_ms=40))
+    assert [c["cause"] for c in _causes(d, 6)] and "noisy_neighbour" not in {c["cause"] for c in _causes(d, 6)}, \
+        _causes(d, 6)
+    assert _causes(d, 5)[0]["cause"] == "noisy_neighbour", _causes(d, 5)  # q1 waited behind the burst itself
+
+
 def test_preemption_counts_the_preempted_time_and_the_recompute(handmade):
     h = handmade
     h.request(1, 0, 300, prompt=10).tokens(1, [300])
