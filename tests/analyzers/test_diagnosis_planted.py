@@ -29,7 +29,7 @@ import json
 import shutil
 
 import pytest
-from planted_runs import PREEMPTED_GAP_MS, SCENARIOS
+from planted_runs import HOL_TTFT_MS, PREEMPTED_GAP_MS, SCENARIOS
 
 import tokentrace
 from analyzers.diagnosis import Targets
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(600)
 
 BAR = 0.9  # the precision and recall bar
 TARGETS = {
-    "head_of_line": Targets(ttft_ms=20),
+    "head_of_line": Targets(ttft_ms=HOL_TTFT_MS),
     "prefix_miss": Targets(ttft_ms=5),
     "preemption": Targets(itl_ms=PREEMPTED_GAP_MS),
     "kv_transfer": Targets(itl_ms=30),
@@ -49,8 +49,6 @@ TARGETS = {
     "overload": Targets(ttft_ms=200),
 }
 RECALL_FLOOR = {  # measured at or above the bar, held lower for a busy machine (module doc)
-    ("head_of_line", "colocated"): 0.5,  # 0.67-1.0: 3 requests hit in one run, one lost to the client's side
-    ("head_of_line", "disagg"): 0.5,  # 0.33-1.0: 2-15 requests hit in a run, one lost moves it by up to half
     ("slow_stage", "colocated"): 0.8, ("slow_stage", "disagg"): 0.8,
     ("prefix_miss", "colocated"): 0.8, ("prefix_miss", "disagg"): 0.8,  # 1.0 in every run, with both cores busy
     ("preemption", "colocated"): 0.8, ("preemption", "disagg"): 0.8,  # 1.0 in every run: 5 requests hit, one may be lost
@@ -72,7 +70,7 @@ def test_the_first_cause_is_the_planted_one(planted_run, kind, mode):
     run = planted_run(kind, mode)
     first, named = _causes(run, TARGETS[kind])
     hit_missed = run.hit & set(first)
-    given = {k for k, cause in first.items() if cause == run.cause}
+    given = {k for k, cause in first.items() if cause == run.cause} - run.unsure  # unsure: neither hit nor spared
     assert hit_missed, f"{kind}/{mode}: no request the fault hit missed its target: {first}"
     recall = len(given & hit_missed) / len(hit_missed)
     floor = RECALL_FLOOR.get((kind, mode), BAR)
