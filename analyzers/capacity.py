@@ -34,7 +34,7 @@ import pandas as pd
 
 from analyzers.groups import check_window_s, pct_name
 from analyzers.latency import METRICS, itl_samples_sql, latency
-from analyzers.load import arrival_window
+from analyzers.load import arrival_window, offered_rate
 from analyzers.slo import resolve_targets
 from analyzers.source import Source
 from analyzers.timing import (
@@ -143,8 +143,7 @@ def offered_load(src: Source) -> pd.DataFrame:
         return pd.DataFrame([{"num_requests": 0, "arrival_window_s": math.nan, "offered_rps": math.nan}])
     a0, a1, n = window
     w_s = (a1 - a0) / 1e9
-    return pd.DataFrame([{"num_requests": n, "arrival_window_s": w_s,
-                          "offered_rps": (n - 1) / w_s if n >= 2 and w_s > 0 else math.nan}])
+    return pd.DataFrame([{"num_requests": n, "arrival_window_s": w_s, "offered_rps": offered_rate(n, w_s)}])
 
 
 def slo_targets(src: Source) -> pd.DataFrame:

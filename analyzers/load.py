@@ -4,7 +4,8 @@ An answer must hold when the server is saturated, so rates are measured where
 they mean something (server view, reference clock):
 
 * Arrival window: the first to the last request arrival, ``W`` seconds, ``n`` arrivals.
-  ``offered_rps = (n - 1) / W``, the inverse of the mean gap between arrivals. The drain
+  ``offered_rps = (n - 1) / W``, the inverse of the mean gap between arrivals (not measured, NaN, when ``W`` is
+  under ``MIN_WINDOW_S``: arrivals that come all at once have no rate). The drain
   after the last arrival is not part of it: over the whole run a saturated server's
   "arrival rate" would equal what it managed to serve.
 * ``served_rps``: the departure rate of completed requests (status ok, with a finish
@@ -49,7 +50,7 @@ from analyzers.timing import LAST_TOKEN, request_table
 from tokentrace.schema import RequestStatus, Role, Stage, col
 
 __all__ = ["LoadReport", "RATE_MARGIN", "MIN_REQUESTS", "MIN_WINDOW_S", "TREND_MIN", "GROWTH_MIN_MS", "QUEUE_GROWTH_MIN",
-           "BUSY_MIN", "UNKNOWN_ROLE", "arrival_window", "pool_load", "stage_growth", "load", "cached_load"]
+           "BUSY_MIN", "UNKNOWN_ROLE", "arrival_window", "offered_rate", "pool_load", "stage_growth", "load", "cached_load"]
 
 RATE_MARGIN = 0.10  # arrivals outrun service at offered >= 1.1 x served
 MIN_REQUESTS = 10  # fewer arrivals than this: no verdict
@@ -89,6 +90,13 @@ _WORKER_ROLE = {(int(Stage.TRANSFER_KV), int(Role.GATEWAY)): int(Role.PREFILL)}
 worker records its own sending and the decode worker its receiving, while the gateway times the flight between
 them (from the first chunk's write to the decode worker reading it: only it knows both workers' clocks); that
 piece is counted with the sending prefill pool's transfer."""
+
+
+def offered_rate(n: int, window_s: float) -> float:
+    """``n`` arrivals over ``window_s`` seconds as a rate, ``(n - 1) / window_s``; NaN (not measured) with fewer than
+    two arrivals or a window under ``MIN_WINDOW_S``: requests that all arrive at once have no rate, and a few ms
+    of window would make one of tens of thousands of req/s."""
+    return (n - 1) / window_s if n >= 2 and window_s >= MIN_WINDOW_S else math.nan
 
 
 def arrival_window(src: Source) -> tuple[int, int, int] | None:
@@ -259,7 +267,7 @@ def load(src: Source) -> LoadReport:
     a0, a1, n = window
     req = _requests(src)
     w_s = (a1 - a0) / 1e9
-    offered = (n - 1) / w_s if n >= 2 and w_s > 0 else math.nan
+    offered = offered_rate(n, w_s)
     m, served = _served_rps(req)
     ratio = offered / served if served and served > 0 else (math.inf if served == 0 and offered > 0 else math.nan)
     early_ms, late_ms, trend = _time_in_system_trend(req, (a0, a1))

@@ -45,7 +45,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from analyzers.load import MIN_WINDOW_S, arrival_window
+from analyzers.load import arrival_window, offered_rate
 from analyzers.slo import SloTargets, resolve_targets
 from analyzers.source import Source
 from analyzers.stage_breakdown import breakdown
@@ -184,8 +184,7 @@ def demand(src: Source, *, targets: Mapping[str, SloTargets] | None = None,
     c = col
     window = arrival_window(src)
     # No offered rate (so no advice) from arrivals within less than MIN_WINDOW_S: a burst's rate is no load.
-    rate = (window[2] - 1) / ((window[1] - window[0]) / 1e9) \
-        if window and window[2] >= 2 and window[1] - window[0] >= MIN_WINDOW_S * 1e9 else math.nan
+    rate = offered_rate(window[2], (window[1] - window[0]) / 1e9) if window else math.nan
     rf = request_table(src)
     ok = int(RequestStatus.OK)
     per = src.df(f"""

@@ -6,15 +6,21 @@ planted through the server's own knobs (step budget, KV blocks, ``--delay``, ten
 The load generator records its own view (role ``client``) into the same run, so a store holds
 the server's and the client's rows.
 
-The truth (:attr:`PlantedRun.hit`: the request keys the fault hit) is decided from the client's
-outcomes and the raw Parquet files of the store, never from the analyzers:
+The truth (:attr:`PlantedRun.hit`: the request keys the fault hit; :attr:`PlantedRun.unsure`: those it touched
+too little to call, left out of the scores) is decided from the client's outcomes and the raw Parquet files of the
+store, never from the analyzers:
 
 ==================  =============================  =========================================================
 kind                planted                        hit
 ==================  =============================  =========================================================
-head_of_line        3 prompts of 480 tokens among  short requests sent while a long one had not yet received
-                    50 short ones, an 8-token step its first token (client clock): they queue behind its
-                    budget (chunked prefill)       prefill chunks
+head_of_line        3 prompts of 480 tokens among  short requests in flight (sent, first token not yet received)
+                    100 short ones (5 tokens, one  beside a long one's prefill (from its send to its last
+                    every 60 ms), a 32-token step  prefill chunk's end: client clock, raw spans) for at least
+                    budget (chunked prefill), a    ``HOL_TTFT_MS``, the TTFT target it is judged on: they
+                    prefill cost of 1 ms per       queued behind its 15 chunks, and the long prefill alone
+                    prompt token (slept, so the    makes them miss (``unsure``: in flight beside it for less
+                    long prefill holds the budget  than that; neither hit nor spared, left out of recall and
+                    0.5 s on an idle or busy CPU)  precision)
 prefix_miss         4 shared 440-token prefixes in requests whose prefix was sent before them but which were
                     turn, 160 device blocks (one   served fewer cached tokens than that prefix's full blocks
                     prompt's worth), a 32-token    (the server's usage, as the client received it); recomputing
@@ -70,9 +76,10 @@ BLOCK_SIZE = 4
 QUIET_TENANTS = ("quiet-a", "quiet-b")
 NOISY_TENANT = "noisy"
 PREEMPTED_GAP_MS = 20.0  # preemption: the ITL target it is judged on; a gap it held past this is a hit
+HOL_TTFT_MS = 100.0  # head-of-line: the TTFT target it is judged on; in flight beside a long prefill this long: a hit
 TENANTS_TOML = "".join(f'[tenants.{name}]\napi_keys = ["sk-{name}"]\n\n' for name in (*QUIET_TENANTS, NOISY_TENANT))
 
-__all__ = ["KINDS", "MODES", "PREEMPTED_GAP_MS", "PlantedRun", "Scenario", "SCENARIOS", "build_run", "run_id_of"]
+__all__ = ["KINDS", "MODES", "HOL_TTFT_MS", "PREEMPTED_GAP_MS", "PlantedRun", "Scenario", "SCENARIOS", "build_run", "run_id_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +100,9 @@ class Scenario:
 class PlantedRun:
     """A finished planted run: where it is stored and what the client saw, with the truth.
 
-    ``hit``: keys of the requests the planted fault hit (see the module doc); ``long_keys``:
-    the head-of-line run's long prompts (the requests that cause it, not hit by it).
+    ``hit``: keys of the requests the planted fault hit (see the module doc); ``unsure``: keys of those it
+    touched too little to call hit or spared (head-of-line only), counted in neither recall nor precision;
+    ``long_keys``: the head-of-line run's long prompts (the requests that cause it, not hit by it).
     """
 
     kind: str
@@ -106,6 +114,7 @@ class PlantedRun:
     outcomes: tuple[Outcome, ...]
     hit: frozenset[str]
     long_keys: frozenset[str] = field(default_factory=frozenset)
+    unsure: frozenset[str] = field(default_factory=frozenset)
 
     @property
     def cause(self) -> str:
@@ -137,9 +146,12 @@ def _planned(key_prefix: str, rows: list[tuple[float, TextRequest, str]]) -> lis
 
 
 def _head_of_line(prefix: str) -> list[PlannedRequest]:
+    """Short prompts (4 characters, 5 tokens with BOS: one step) every 60 ms; three 480-token prompts 2 s apart,
+    each prefilled in 15 chunks of the 32-token budget (about 0.5 s of slept prefill cost): 25-35 short requests
+    queue behind them, while the engine stays well under capacity (about half busy) on a busy machine."""
     rng = np.random.default_rng(1)
-    rows = [(i * 0.04, TextRequest("", _text(rng, 16), 4), "") for i in range(50)]
-    rows += [(t, TextRequest("", _text(rng, 480), 4), "") for t in (0.25, 0.95, 1.65)]
+    rows = [(i * 0.06, TextRequest("", _text(rng, 4), 2), "") for i in range(100)]
+    rows += [(t, TextRequest("", _text(rng, 480), 4), "") for t in (0.3, 2.3, 4.3)]
     return _planned(prefix, rows)
 
 
@@ -170,7 +182,8 @@ def _noisy_neighbour(prefix: str) -> list[PlannedRequest]:
 
 
 SCENARIOS: dict[str, Scenario] = {s.kind: s for s in (
-    Scenario("head_of_line", ("--max-num-batched-tokens", "8"), _head_of_line, "head_of_line"),
+    Scenario("head_of_line", ("--max-num-batched-tokens", "32", "--delay", "prefill_token=1ms"), _head_of_line,
+             "head_of_line"),
     Scenario("prefix_miss", ("--num-device-blocks", "160", "--max-num-batched-tokens", "32"), _prefix_miss,
              "prefix_miss"),
     Scenario("preemption", ("--num-device-blocks", "110", "--delay", "decode_step=3ms"), _preemption, "preemption"),
@@ -233,8 +246,36 @@ def build_run(store: Path, kind: str, mode: str) -> PlantedRun:
     if failed:
         raise RuntimeError(f"{run}: requests failed: {failed[:5]}")
     outcomes = tuple(result.outcomes)
-    hit, long_keys = _truth(kind, store / run, planned, outcomes)
-    return PlantedRun(kind, mode, store, run, scenario, planned, outcomes, frozenset(hit), frozenset(long_keys))
+    if kind == "head_of_line":
+        hit, unsure, long_keys = _held_behind_long_prefills(store / run, planned, outcomes)
+    else:
+        (hit, long_keys), unsure = _truth(kind, store / run, planned, outcomes), set()
+    return PlantedRun(kind, mode, store, run, scenario, planned, outcomes, frozenset(hit), frozenset(long_keys),
+                      frozenset(unsure))
+
+
+def _held_behind_long_prefills(run_dir: Path, planned: tuple[PlannedRequest, ...], outcomes: tuple[Outcome, ...]
+                               ) -> tuple[set[str], set[str], set[str]]:
+    """(hit, unsure, long keys) of the head-of-line run, on the client's clock: a short request's time in flight
+    (send to first token) beside a long one's prefill (from the long request's send to the end of its last
+    ``prefill.compute`` span in the raw spans, mapped through the instances' clock offsets), the longest such
+    overlap; hit at ``HOL_TTFT_MS`` or more (queued behind the long prefill that long, it misses its target on
+    that alone), unsure above 0 (sent in the prefill's last moments, or just before it and co-scheduled with its
+    first chunk: the long prompt costs it less than its target, and other delays may cost it more)."""
+    by_key = {o.key: o for o in outcomes}
+    longs = {p.key for p in planned if p.text.num_prompt_tokens > 100}
+    prefilled = _prefill_ends(run_dir, longs)
+    windows = [(by_key[k].send_ns, prefilled.get(k, by_key[k].recv_ns[0])) for k in longs]
+    hit, unsure = set(), set()
+    for k, o in by_key.items():
+        if k in longs or not o.recv_ns:
+            continue
+        held_ns = max(min(o.recv_ns[0], hi) - max(o.send_ns, lo) for lo, hi in windows)
+        if held_ns >= HOL_TTFT_MS * 1e6:
+            hit.add(k)
+        elif held_ns > 0:
+            unsure.add(k)
+    return hit, unsure, longs
 
 
 def _truth(kind: str, run_dir: Path, planned: tuple[PlannedRequest, ...], outcomes: tuple[Outcome, ...]
@@ -245,11 +286,6 @@ def _truth(kind: str, run_dir: Path, planned: tuple[PlannedRequest, ...], outcom
         return set(by_key), set()
     if kind == "none":
         return set(), set()
-    if kind == "head_of_line":
-        longs = {p.key for p in planned if p.text.num_prompt_tokens > 100}
-        windows = [(by_key[k].send_ns, by_key[k].recv_ns[0]) for k in longs]
-        return {k for k, o in by_key.items() if k not in longs
-                and any(lo <= o.send_ns < hi for lo, hi in windows)}, longs
     if kind == "prefix_miss":
         seen: set[str] = set()
         hit = set()
@@ -300,6 +336,23 @@ def _preempted_in_a_gap(run_dir: Path, by_key: dict[str, Outcome]) -> set[str]:
         if before and after and min(after) - max(before) > PREEMPTED_GAP_MS * 1e6:
             hit.add(key_of[r])
     return hit
+
+
+def _prefill_ends(run_dir: Path, keys: set[str]) -> dict[str, int]:
+    """When each of ``keys``'s last ``prefill.compute`` span ended, on the client's clock (raw spans and instances)."""
+    inst = _raw_table(run_dir, INSTANCES.name, [col.INSTANCE_ID, col.ROLE, col.CLOCK_OFFSET_NS])
+    offset = dict(zip(inst[col.INSTANCE_ID].to_pylist(), inst[col.CLOCK_OFFSET_NS].to_pylist()))
+    client = next(i for i, r in zip(inst[col.INSTANCE_ID].to_pylist(), inst[col.ROLE].to_pylist()) if r == Role.CLIENT)
+    ids = _raw_table(run_dir, REQUESTS.name, [col.REQUEST_ID, col.REQUEST_KEY])
+    key_of = dict(zip(ids[col.REQUEST_ID].to_pylist(), ids[col.REQUEST_KEY].to_pylist()))
+    spans = _raw_table(run_dir, SPANS.name, [col.REQUEST_ID, col.STAGE, col.END_NS, col.INSTANCE_ID])
+    ends: dict[str, int] = {}
+    for r, stage, end, i in zip(*(spans[c].to_pylist() for c in (col.REQUEST_ID, col.STAGE, col.END_NS,
+                                                                 col.INSTANCE_ID))):
+        key = key_of.get(r)
+        if stage == Stage.PREFILL_COMPUTE and key in keys:
+            ends[key] = max(ends.get(key, end), end + offset[i] - offset[client])
+    return ends
 
 
 def _drained_after(run_dir: Path, t_ns: int) -> int:

@@ -153,13 +153,13 @@ def _prefill(ctx: RunContext, rid: int, window: pd.DataFrame, first_preempt: int
     hol, shared = _shared_steps(ctx, rid, pre, prompt, cached)
     if hol.ns > 0:
         which = ", ".join(f"{ctx.key(o)}'s {p:,.0f}-token" for o, p in list(hol.others.items())[:3])
-        out.append(Finding(HEAD_OF_LINE, hol.ns / 1e6, f"its prefill shared steps with {which} prefill "
+        out.append(Finding(HEAD_OF_LINE, hol.ns / 1e6, f"shared its prefill steps with {which} prefill "
                            f"({hol.budget:,} prefill tokens per step), {hol.ns / 1e6:,.1f} ms of them the others' work",
                            stage=Stage.PREFILL_COMPUTE.label, requests=tuple(ctx.key(o) for o in hol.others)))
     if shared.ns > 0:
         which = ", ".join(f"{ctx.key(o)} ({p:,.0f} tokens)" for o, p in list(shared.others.items())[:3])
         more = f" and {len(shared.others) - 3} more" if len(shared.others) > 3 else ""
-        out.append(Finding(COSCHEDULED_PREFILL, shared.ns / 1e6, f"its prefill ran in {shared.num_steps} step(s) "
+        out.append(Finding(COSCHEDULED_PREFILL, shared.ns / 1e6, f"had its prefill run in {shared.num_steps} step(s) "
                            f"that also computed {shared.tokens:,} prompt tokens of other requests ({which}{more}; up "
                            f"to {shared.budget:,} prefill tokens per step): {shared.ns / 1e6:,.1f} ms of them the "
                            f"others' work", stage=Stage.PREFILL_COMPUTE.label,

@@ -19,13 +19,15 @@ route         gateway     before handing the request to the backend (inside the 
 schedule      workers     once per admission, as the engine admits a request (its schedule.queue time)
 kv_transfer   workers     on each KV transfer from a prefill to a decode worker
 decode_step   workers     before every engine step that decodes tokens
+prefill_token workers     before every engine step that computes prompt tokens, once per such token (a
+                          prefill cost that grows with the prompt, as a larger model's does)
 detokenize    gateway     per output token, while turning the backend's token into the chunk
 stream_send   gateway     per chunk, just before it is written to the client stream
 ============  ==========  ===================================================================
 
 Workers (``reference_server.serving`` cluster code) receive the same spec string and parse
 it with :meth:`DelayConfig.parse`; ``str(config)`` gives back a spec that parses to the
-same delays, for passing on a command line. The two engine stages are planted inside the
+same delays, for passing on a command line. The three engine stages are planted inside the
 engine's step by :func:`plant_engine_delays`.
 
 Every delay is a real wait of the drawn length, measured on ``time.monotonic_ns()``: nothing
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["DELAY_STAGES", "DelayConfig", "StageDelay", "parse_duration_ns", "plant_engine_delays"]
 
 DELAY_STAGES: tuple[str, ...] = (
-    "tokenize", "route", "schedule", "kv_transfer", "decode_step", "detokenize", "stream_send",
+    "tokenize", "route", "schedule", "kv_transfer", "decode_step", "prefill_token", "detokenize", "stream_send",
 )
 """Stage names a spec may use (see the module docstring for where each applies)."""
 
@@ -176,10 +178,11 @@ class DelayConfig:
             await asyncio.sleep(0)  # yields to the loop's other tasks; a timer would oversleep
         return length_ns
 
-    def delay_sync(self, stage: str) -> int:
+    def delay_sync(self, stage: str, *, times: int = 1) -> int:
         """Blocking version of :meth:`delay` for threads that are not an event loop
-        (the engine thread, a transfer thread). Returns the drawn length in ns."""
-        length_ns = self.draw_ns(stage)
+        (the engine thread, a transfer thread): one draw, slept ``times`` over (a per-token
+        delay for ``times`` tokens). Returns the slept length in ns."""
+        length_ns = self.draw_ns(stage) * max(times, 0)
         if length_ns <= 0:
             return 0
         deadline_ns = time.monotonic_ns() + length_ns
@@ -191,11 +194,13 @@ class DelayConfig:
 def plant_engine_delays(engine: Engine, delays: DelayConfig) -> None:
     """Plant the engine stages' delays inside ``engine``'s step: "schedule" once per
     admission, as the scheduler moves a request to running (after its prefix-cache
-    lookup, before its first compute: the request's schedule.queue time) and
-    "decode_step" before a forward pass that decodes (inside its compute interval).
+    lookup, before its first compute: the request's schedule.queue time), "decode_step"
+    before a forward pass that decodes and "prefill_token" before one that computes prompt
+    tokens, once per such token (both inside the pass's compute interval). A chunk of one
+    token past position 0 is a decode; every other chunk's tokens are prompt tokens.
     Instance attributes shadow the scheduler's and runner's methods; call once per
-    engine, before it runs. Does nothing when neither stage is planted."""
-    if not (delays.has("schedule") or delays.has("decode_step")):
+    engine, before it runs. Does nothing when no engine stage is planted."""
+    if not any(delays.has(stage) for stage in ("schedule", "decode_step", "prefill_token")):
         return
     start_running, execute = engine.scheduler.start_running, engine.runner.execute
 
@@ -204,8 +209,12 @@ def plant_engine_delays(engine: Engine, delays: DelayConfig) -> None:
         start_running(seq)
 
     def delayed_execute(chunks: Any) -> Any:
-        if any(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks):
+        decodes = [len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks]
+        if any(decodes):
             delays.delay_sync("decode_step")
+        prompt_tokens = sum(len(c.token_ids) for c, is_decode in zip(chunks, decodes) if not is_decode)
+        if prompt_tokens:
+            delays.delay_sync("prefill_token", times=prompt_tokens)
         return execute(chunks)
 
     engine.scheduler.start_running = delayed_start_running  # type: ignore[method-assign]

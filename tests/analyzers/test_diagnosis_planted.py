@@ -8,19 +8,18 @@ them (precision). A fault-free run, judged on its classes' targets, names no cau
 ``burst``; the report's first screen names the planted cause and its fix.
 
 Measured on a 2-core machine shared with other work (``benchmarks/diagnosis_accuracy.py`` and single runs, with
-and without both cores kept busy; docs/diagnosis.md "How well it does"), precision is 1.0 for every kind but
-head-of-line, 0.75 once (3 of 4). Recall: overload, KV transfer, noisy neighbour, slow stream send, prefix miss
-and preemption 1.0 in every run, colocated and disaggregated. The planted scenarios make the planted cause the
-largest delay on the requests it hits: recomputing an evicted 440-token prefix takes 14 steps of a 32-token
-budget, well over a disaggregated request's KV handoff; a preemption victim waits for the requests that kept
-their KV blocks to finish (60-300 ms), and the truth counts a preemption that held a gap past the 20 ms ITL
-target (``PREEMPTED_GAP_MS``). Head-of-line blocking: colocated 0.67-1.0 (0.71 in a run so loaded that it
-saturated: the backlog the long prefill left is ``overload``; 0.67 in a full suite with both cores busy, where
-one of only 3 requests hit was ``outside_server``), disaggregated 0.33-1.0: its long prefills take 40-100 ms,
-so 2-15 requests are hit in a run and one lost to the event loop, the network or its own KV handoff moves the
-figure by up to half; both held to 0.5. Slow stage is held to 0.8, prefix miss and preemption
-(5 and 12 requests hit) to 0.8, the rest to the bar. On every kind, the planted cause is named among the
-causes (at any rank) of at least ``NAMED_FLOOR`` of the requests it hit that missed (measured 0.8-1.0).
+and without both cores kept busy; docs/diagnosis.md "How well it does"), precision is 1.0 for every kind.
+Recall: overload, KV transfer, noisy neighbour, slow stream send, prefix miss and preemption 1.0 in every run,
+colocated and disaggregated. The planted scenarios make the planted cause the largest delay on the requests it
+hits: recomputing an evicted 440-token prefix takes 14 steps of a 32-token budget, well over a disaggregated
+request's KV handoff; a preemption victim waits for the requests that kept their KV blocks to finish (60-300
+ms), and the truth counts a preemption that held a gap past the 20 ms ITL target (``PREEMPTED_GAP_MS``); a long
+prompt holds the step budget for about 0.5 s of slept prefill cost, and the truth counts a request in flight
+beside it for the 100 ms TTFT target (``HOL_TTFT_MS``; less is unsure, in neither figure): head-of-line 1.0
+colocated, 0.97-1.0 disaggregated, 30-46 requests hit in a run, with both cores busy. Slow stage is held to
+0.8, prefix miss and preemption (5 and 12 requests hit) to 0.8, the rest to the bar. On every kind, the
+planted cause is named among the causes (at any rank) of at least ``NAMED_FLOOR`` of the requests it hit that
+missed (measured 0.8-1.0).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import json
 import shutil
 
 import pytest
-from planted_runs import PREEMPTED_GAP_MS, SCENARIOS
+from planted_runs import HOL_TTFT_MS, PREEMPTED_GAP_MS, SCENARIOS
 
 import tokentrace
 from analyzers.diagnosis import Targets
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.timeout(600)
 
 BAR = 0.9  # the issue's precision and recall bar
 TARGETS = {
-    "head_of_line": Targets(ttft_ms=20),
+    "head_of_line": Targets(ttft_ms=HOL_TTFT_MS),
     "prefix_miss": Targets(ttft_ms=5),
     "preemption": Targets(itl_ms=PREEMPTED_GAP_MS),
     "kv_transfer": Targets(itl_ms=30),
@@ -49,8 +48,6 @@ TARGETS = {
     "overload": Targets(ttft_ms=200),
 }
 RECALL_FLOOR = {  # measured at or above the bar, held lower for a busy machine (module doc)
-    ("head_of_line", "colocated"): 0.5,  # 0.67-1.0: 3 requests hit in one run, one lost to the client's side
-    ("head_of_line", "disagg"): 0.5,  # 0.33-1.0: 2-15 requests hit in a run, one lost moves it by up to half
     ("slow_stage", "colocated"): 0.8, ("slow_stage", "disagg"): 0.8,
     ("prefix_miss", "colocated"): 0.8, ("prefix_miss", "disagg"): 0.8,  # 1.0 in every run, with both cores busy
     ("preemption", "colocated"): 0.8, ("preemption", "disagg"): 0.8,  # 1.0 in every run: 5 requests hit, one may be lost
@@ -72,7 +69,7 @@ def test_the_first_cause_is_the_planted_one(planted_run, kind, mode):
     run = planted_run(kind, mode)
     first, named = _causes(run, TARGETS[kind])
     hit_missed = run.hit & set(first)
-    given = {k for k, cause in first.items() if cause == run.cause}
+    given = {k for k, cause in first.items() if cause == run.cause} - run.unsure  # unsure: neither hit nor spared
     assert hit_missed, f"{kind}/{mode}: no request the fault hit missed its target: {first}"
     recall = len(given & hit_missed) / len(hit_missed)
     floor = RECALL_FLOOR.get((kind, mode), BAR)

@@ -163,6 +163,39 @@ def test_planted_decode_step_delay_is_slept_before_each_decode_step() -> None:
         engine.close()
 
 
+def test_planted_prefill_token_delay_is_slept_once_per_prompt_token_a_step_computes() -> None:
+    """4 ms per prompt token, a 6-token step budget: each step that computes prompt tokens sleeps at least 4 ms per
+    token before its forward pass (chunks of 6, 6, 6 and the rest of the prompt)."""
+    engine = Engine(EngineConfig(model="tiny", block_size=4, num_device_blocks=64, device="cpu",
+                                 max_num_batched_tokens=6))
+    entered: list[tuple[int, int]] = []  # (prompt tokens of the pass, ns from the planted wrapper to the pass)
+    execute = engine.runner.execute
+    engine.runner.execute = lambda chunks: (entered.append((_prompt_tokens(chunks), time.monotonic_ns())),  # type: ignore[method-assign]
+                                            execute(chunks))[1]
+    plant_engine_delays(engine, DelayConfig.parse("prefill_token=4ms"))
+    planted = engine.runner.execute
+    called: list[int] = []
+    engine.runner.execute = lambda chunks: (called.append(time.monotonic_ns()), planted(chunks))[1]  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        sink = _Outputs()
+        request = engine.prepare_request("a", "x" * 20, SamplingParams(max_tokens=3, ignore_eos=True))
+        loop.submit(request, sink)
+        outs = [sink.items.get(timeout=30) for _ in range(3)]
+        assert [o.token_index for o in outs] == [0, 1, 2]
+    finally:
+        loop.stop()
+        engine.close()
+    prompt_steps = [(n, t - t0) for (n, t), t0 in zip(entered, called) if n]
+    assert [n for n, _ in prompt_steps][:3] == [6, 6, 6] and sum(n for n, _ in prompt_steps) > 18, prompt_steps
+    assert all(slept >= n * 4_000_000 for n, slept in prompt_steps), prompt_steps
+
+
+def _prompt_tokens(chunks) -> int:
+    return sum(len(c.token_ids) for c in chunks if not (len(c.token_ids) == 1 and c.start_pos > 0))
+
+
 def test_a_sub_millisecond_async_delay_sleeps_what_it_says() -> None:
     """300 us on the event loop: the loop's timers wait whole milliseconds (epoll), so a plain
     ``asyncio.sleep`` took over 1 ms. A loaded machine only ever adds time, so the quickest of
@@ -190,9 +223,9 @@ class _CountingDelays(DelayConfig):
         super().__init__(parsed.stages)
         object.__setattr__(self, "taken", {})
 
-    def delay_sync(self, stage: str) -> int:
+    def delay_sync(self, stage: str, *, times: int = 1) -> int:
         self.taken[stage] = self.taken.get(stage, 0) + 1
-        return super().delay_sync(stage)
+        return super().delay_sync(stage, times=times)
 
 
 def test_the_schedule_delay_is_taken_once_per_admission_not_per_step() -> None:

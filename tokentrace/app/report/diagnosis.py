@@ -19,6 +19,7 @@ __all__ = ["slo_verdict", "cause_lines", "request_story", "request_json", "cause
 
 NUM_FIRST_SCREEN_CAUSES = 4  # causes named on the first screen ...
 MIN_FIRST_SCREEN_SHARE = 0.01  # ... that explain at least 1% of the missed time
+MIN_STORY_SHARE = 0.01  # a cause under 1% of a request's excess is only named, in one closing "Also" sentence
 _TARGET_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 
 
@@ -61,9 +62,7 @@ def cause_lines(diagnosis: Any, limit: int = NUM_FIRST_SCREEN_CAUSES) -> list[st
                          f"(the requests' own work, or a cause no rule knows); e.g. {r.evidence}.")
             continue
         i += 1
-        what = r.cause + (f" ({r.stage})" if r.cause == "slow_stage" and r.stage else "") + (
-            f" (tenant {r.tenant})" if r.tenant else "")
-        text = (f"Why #{i}: {what}, {as_float(r.share) * 100:.0f}% of the missed time, the first cause of "
+        text = (f"Why #{i}: {_name(r)}, {as_float(r.share) * 100:.0f}% of the missed time, the first cause of "
                 f"{int(r.num_first)} request(s); e.g. {r.evidence}.")
         if r.fix:
             text += f" Fix: {r.fix}."
@@ -94,15 +93,30 @@ def request_story(request: pd.Series | dict, causes: pd.DataFrame) -> str:
         elif key == "e2e":
             missed.append(f"E2E {_ms(r['e2e_ms'])} against {_ms(r['e2e_target_ms'])}")
     text = f"{who}" + (f" ({about})" if about else "") + f" missed {'; '.join(missed)}: {_ms(r['excess_ms'])} over target."
-    for i, c in enumerate(causes.sort_values("rank").itertuples(index=False)):
-        lead = "It" if i == 0 else "Then it"  # every rule's evidence is a verb phrase about the request
+    ranked = list(causes.sort_values("rank").itertuples(index=False))
+    minor = [c for c in ranked if as_float(c.share) < MIN_STORY_SHARE]  # NaN share: told in full
+    told = 0
+    for c in ranked:
+        if as_float(c.share) < MIN_STORY_SHARE:
+            continue
         if c.cause == "unknown":
             text += f" {_ms(c.ms)} ({as_float(c.share) * 100:.0f}%) has no cause in the trace (unknown)."
             continue
+        lead = "It" if told == 0 else "Then it"  # every rule's evidence is a verb phrase about the request
+        told += 1
         text += f" {lead} {c.evidence} ({c.cause}, {_ms(c.ms)} of the excess, {as_float(c.share) * 100:.0f}%)."
         if c.fix:
             text += f" Fix: {c.fix}."
+    if minor:
+        names = ", ".join(f"{_name(c)} {_ms(c.ms)}" for c in minor)
+        text += f" Also, each under {MIN_STORY_SHARE:.0%} of the excess: {names}."
     return text
+
+
+def _name(c: Any) -> str:
+    """A cause as a story names it: with its stage (``slow_stage``) or tenant where it has one."""
+    return c.cause + (f" ({c.stage})" if c.cause == "slow_stage" and c.stage else "") + (
+        f" (tenant {c.tenant})" if c.tenant else "")
 
 
 def _cause_json(c: Any) -> dict[str, Any]:

@@ -61,8 +61,13 @@ def load_sentence(row: Mapping[str, Any], pools: pd.DataFrame | None = None,
     count = as_float(row.get("num_requests"))
     n = int(count) if math.isfinite(count) else 0
     window = as_float(row.get("arrival_window_s"))
-    rates = (f"offered {_rate(row.get('offered_rps'))} over the {window:.1f} s arrival window, "
-             f"served {_rate(row.get('served_rps'))}") if math.isfinite(window) else ""
+    if not math.isfinite(window):
+        rates = ""
+    elif window < MIN_WINDOW_S:  # a rate over a blink would be tens of thousands of req/s: none is given
+        rates = f"no offered rate over so short a window, served {_rate(row.get('served_rps'))}"
+    else:
+        rates = (f"offered {_rate(row.get('offered_rps'))} over the {window:.1f} s arrival window, "
+                 f"served {_rate(row.get('served_rps'))}")
     saturated = row.get("saturated")
     if saturated is None or (isinstance(saturated, float) and math.isnan(saturated)):
         if n == 0:
@@ -73,7 +78,7 @@ def load_sentence(row: Mapping[str, Any], pools: pd.DataFrame | None = None,
             why = f"the arrivals span {window:.3f} s (at least {MIN_WINDOW_S:g} s are needed)"
         else:
             why = "no served rate could be measured"
-        return f"Load not judged: {why}; {rates}."
+        return f"Load not judged: {why}" + (f"; {rates}." if rates else ".")
     if not saturated:
         busiest = ""
         if pools is not None and len(pools):
@@ -108,7 +113,8 @@ def advice_sentence(advice: pd.DataFrame, demand: pd.DataFrame | None = None, *,
     if advice is None or len(advice) == 0:
         return "No instance advice: the run has no engine steps to measure capacity on."
     d = demand.iloc[0].to_dict() if demand is not None and len(demand) else {}
-    head = f"Instances for the offered {_rate(d.get('arrival_rate_rps'))}"
+    rate = as_float(d.get("arrival_rate_rps"))
+    head = f"Instances for the offered {_rate(rate)}" if math.isfinite(rate) else "Instances, with no offered rate"
     targets = [f"{name} {as_float(d.get(key)):g} ms" for name, key in (("TTFT", "ttft_target_ms"), ("TPOT", "tpot_target_ms"))
                if math.isfinite(as_float(d.get(key)))]
     headroom = as_float(d.get("headroom"))

@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -168,6 +170,20 @@ def test_arrivals_within_a_blink_are_not_judged(tmp_path_factory):
     assert report.load["saturated"] is None, report.load
     verdict = report.load["verdict"]  # after the SLO verdict and its causes on the first screen
     assert verdict in report.headline and verdict.startswith("Load not judged: the arrivals span 0.00"), verdict
+
+
+def test_no_rate_is_given_over_a_window_of_a_blink(tmp_path_factory):
+    """20 requests within 7 ms are 2,714 req/s only on paper: no offered rate is measured, printed or sized for."""
+    store = _store(tmp_path_factory, "blink-rate", 20 / 0.007, 0.007 + 1e-9)
+    report = make_report(store, "blink-rate")
+    assert report.load["num_requests"] == 20 and 0 < report.load["arrival_window_s"] < 0.01, report.load
+    assert report.load["offered_rps"] is None or math.isnan(report.load["offered_rps"]), report.load
+    verdict = report.load["verdict"]
+    assert "no offered rate over so short a window, served " in verdict and "over the 0.0 s" not in verdict, verdict
+    text = render(report, "md")
+    assert not re.search(r"[0-9,]{5,}(\.[0-9]+)? req/s", text), re.findall(r"[^.]*[0-9,]{5,}(?:\.[0-9]+)? req/s", text)
+    advice = report.headline[report.headline.index(verdict) + 1]
+    assert advice.startswith("Instances, with no offered rate"), advice
 
 
 def test_the_prefill_workers_kv_transfer_is_the_prefill_pools_not_the_gateways():

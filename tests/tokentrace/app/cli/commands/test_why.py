@@ -64,6 +64,24 @@ def test_one_requests_story_and_targets_from_the_command_line():
     assert met.exit_code == 0 and "met its targets" in met.stdout
 
 
+def test_a_story_tells_only_causes_worth_a_percent_and_names_the_rest_in_one_sentence():
+    """A cause under 1% of a request's excess (a 0.4 ms noisy neighbour beside a 1,100 ms head-of-line wait) keeps
+    its row in the JSON, but the text story only names it in a closing "Also" sentence, without evidence or fix."""
+    doc = json.loads(_why("--format", "json").stdout)
+    item = next(i for i in doc if any(c["share"] < 0.01 for c in i["causes"]))
+    big = [c for c in item["causes"] if c["share"] >= 0.01 and c["cause"] != "unknown"]
+    small = [c for c in item["causes"] if c["share"] < 0.01]
+    story = _why("--request", item[col.REQUEST_KEY]).stdout
+    told, also = story.split(" Also, each under 1% of the excess: ")
+    for c in big:
+        assert c["evidence"] in told, (c, story)
+    for c in small:
+        assert c["evidence"] not in story, (c, story)
+        assert f"{c['cause']}" in also and f"{c['ms']:,.1f} ms" in also, (c, also)
+    assert told.count("Fix: ") == len([c for c in big if c["fix"]]), story
+    assert "Fix: " not in also and also.rstrip().endswith(" ms."), also  # the story's last sentence, names only
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for args, words in ((["--request", "nope"], "no request with key 'nope'"),
                         (["--format", "yaml"], "unknown format"),
