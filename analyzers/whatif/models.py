@@ -54,7 +54,7 @@ from tokentrace.schema import Role, col
 
 __all__ = ["StepTimeModel", "StageCosts", "FittedModels", "fit_models", "nonnegative_lstsq", "relative_fit",
            "step_features", "seq_knots", "heldout_errors", "choose_form", "VARIATIONS", "STEP_FORMS", "NUM_RESAMPLES",
-           "NUM_FOLDS", "FORM_MARGIN"]
+           "NUM_FOLDS", "FORM_MARGIN", "MIN_KIND_STEPS"]
 
 VARIATIONS = ("ratio", "residual")
 """How a replay varies each step's modelled duration: multiply by a measured ratio, or add a measured residual."""
@@ -68,6 +68,9 @@ FORM_MARGIN = 0.02
 NUM_RESAMPLES = 40
 """Refits of a step-time model on resampled steps (:attr:`StepTimeModel.alternatives`)."""
 _BLOCK = 8  # consecutive steps per resampled block
+MIN_KIND_STEPS = 5
+"""A replay varies a step by the ratios of the run's steps of its kind (with or without prefill) when the run had
+at least this many of that kind (:meth:`StepTimeModel.variation_pools`)."""
 _REWEIGHTS = 12  # rounds of reweighting by the modelled time in :func:`relative_fit` (converges in a few)
 _MU_FLOOR = 0.05  # a row's modelled time is taken as at least this share of the median step when reweighting
 
@@ -175,6 +178,24 @@ class StepTimeModel:
     knots: tuple[float, ...] = ()  # form "piecewise": the batch sizes (sequences) where the cost per sequence changes
     heldout: tuple[tuple[str, float], ...] = ()  # (form, mean relative error on held-out steps) per form tried
     other_fits: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()  # (form, knots, coefficients)
+    ratio_prefill: tuple[bool, ...] = ()  # per ratio: its step carried prefill tokens (empty: not known)
+    residual_prefill: tuple[bool, ...] = ()  # per residual: likewise
+
+    def variation_pools(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """The measured ratios (sorted) and residuals a replay draws from, each as (steps without prefill tokens,
+        steps with): a step is varied as the run's steps of its kind were (a prefill step's time varies
+        relatively less than a short decode step's); all of them where a kind had fewer than
+        :data:`MIN_KIND_STEPS` steps."""
+        out = []
+        for values, kinds in ((self.ratios, self.ratio_prefill), (self.residuals, self.residual_prefill)):
+            v = np.asarray(values, dtype=float)
+            k = np.asarray(kinds, dtype=bool)
+            pools = []
+            for want in (False, True):
+                sel = v[k == want] if k.size == v.size else v[:0]
+                pools.append(np.sort(sel if sel.size >= MIN_KIND_STEPS else v))
+            out.append(tuple(pools))
+        return out[0], out[1]
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -255,6 +276,7 @@ class StepTimeModel:
         mape = float(np.mean(np.abs(pred[ok] - y[ok]) / y[ok])) if ok.any() else float("nan")
         good = pred > 0
         ratios = tuple(float(r) for r in np.clip(y[good] / pred[good], 0.05, 20.0)) or (1.0,)
+        ratio_prefill = tuple(bool(v) for v in p[good] > 0) if good.any() else ()
         persistence = _lag1(np.log(np.asarray(ratios)))
         gaps = steps.gap_ns[mask]
         busy = np.isfinite(gaps) & (gaps >= 0) & steps.busy_after[mask]
@@ -266,7 +288,7 @@ class StepTimeModel:
                    int(mask.sum()), mape, ratios, tuple(float(g) for g in gaps[busy]), persistence,
                    tuple(float(r) for r in y - pred), "ratio", lo, hi, _resampled_fits(x, y), form,
                    tuple(float(v) for v in c[5:]), knots if form == "piecewise" else (),
-                   tuple(heldout.items()), others)
+                   tuple(heldout.items()), others, ratio_prefill, tuple(bool(v) for v in p > 0))
 
 
 def seq_knots(num_seqs: np.ndarray) -> tuple[float, ...]:
