@@ -13,7 +13,7 @@
   machine's variation is multiplicative: an absolute fit lets the few long prefill steps, and the
   slow bursts, decide the fixed cost, and on the reference server put 1.4-2.4x the measured time on the
   small decode steps of the same run; divided by the measured duration instead, a fit is biased low, the more
-  the more a kind of step varies (decode steps 0.68-0.83x their mean, prefill steps 0.93-0.98x, on the
+  the more a kind of step varies (decode steps 0.68-0.76x their mean, prefill steps 0.87-0.96x, on the
   benchmark's runs). One per engine role present, plus
   one over all steps (used for a role the run did not have). The model keeps the ratio of each fitted
   step's measured to modelled duration: a replay multiplies each simulated step by one of them drawn at
@@ -110,9 +110,9 @@ def relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     Started from :func:`nonnegative_lstsq` on ``(x @ c - y) / y``, then reweighted by the model's own time
     (:data:`_REWEIGHTS` rounds of ``(x @ c - y) / (x @ c_prev)``, a gamma regression with an identity link). The
-    first alone is biased low by about ``exp(-1.5 sigma^2)`` for a log-normal spread ``sigma`` (a slow step weighs
-    less than a fast one): on the reference server's steps it put 0.68-0.83x their mean on decode steps, whose
-    relative spread is widest, and 0.93-0.98x on prefill steps. Reweighted, each kind of step is modelled at
+    first alone is biased low, to about ``exp(-2 sigma^2)`` of the mean for a log-normal spread ``sigma`` (a slow
+    step weighs less than a fast one): on the reference server's steps it put 0.68-0.76x their mean on decode steps, whose
+    relative spread is widest, and 0.87-0.96x on prefill steps. Reweighted, each kind of step is modelled at
     its mean, so a replay's queueing sees the run's throughput."""
     ok = y > 0
     if not ok.any():
