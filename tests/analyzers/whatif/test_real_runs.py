@@ -10,7 +10,10 @@ tiny model's pass, the scheduler, the tracers) outlasts it, and one run's steps 
 the same batch size. Each prediction is therefore made on a device as much slower or faster as the machine
 ran the predicted run (:func:`_slowdown`: its steps' measured time against the fitted model's, over the
 same for the fitted run's steps, from the raw steps table), as ``benchmarks/whatif.py`` corrects its
-predictions: what is left is the simulator's own error, its queueing and scheduling. Tolerances are
+predictions: what is left is the simulator's own error in queueing and scheduling. The correction would
+also take out an error of the step-time model that is the same over all of a run's steps (a wrong cost of
+the small batches a ``max_num_seqs`` 2 run is made of), so the device whose step time bends with the batch,
+where that cost is what is tested, is predicted uncorrected. Tolerances are
 measured, not hoped for (docs/whatif.md, "Accuracy"): over ten sessions, predictions from a run the machine
 had not slowed were mostly within 20% at p50; a slowed run put single predictions up to 130% off; and at
 twice the rate, where the 40 requests arrive within 0.7 s and are served in about 30 steps, the ITL p50 was
@@ -161,13 +164,13 @@ def test_max_num_seqs_2_on_a_device_concave_in_the_batch_is_predicted_within_the
     of each step blurs the bend: docs/whatif.md, "Accuracy"); the prediction must land within the documented
     error either way (wider than the linear device's: with both cores busy its runs missed by -40% to +59%),
     and the replay of the run itself within the fit's."""
-    model, (run, real), fitted = concave_runs
+    model, (_, real), _ = concave_runs
     assert model.models.all_steps.form in STEP_FORMS and dict(model.models.all_steps.heldout)
     for m in P50:
         assert abs(model.fit_error[m]) < FIT_TOLERANCE, (m, model.measured[m], model.fitted[m])
-    predicted, scale = _predict(fitted, run, {"max_num_seqs": 2})
+    predicted = model.predict({"max_num_seqs": 2}).metrics  # uncorrected: the bend at small batches is the point
     assert real["ttft.p50"] > 5 * model.measured["ttft.p50"]  # the change is large
     for m in P50:
-        assert _error(predicted[m], real[m]) < CONCAVE_TOLERANCE[0], (m, predicted[m], real[m], scale)
+        assert _error(predicted[m], real[m]) < CONCAVE_TOLERANCE[0], (m, predicted[m], real[m])
     for m in ("ttft.p99", "e2e.p99"):
-        assert _error(predicted[m], real[m]) < CONCAVE_TOLERANCE[1], (m, predicted[m], real[m], scale)
+        assert _error(predicted[m], real[m]) < CONCAVE_TOLERANCE[1], (m, predicted[m], real[m])
