@@ -5,21 +5,22 @@ The simulator is fitted to one run and predicts four changed configurations, eac
 process. Every configuration (the fitted one too) is run twice and the run with the shorter median E2E is
 kept: the test machine's other work only ever slows a run down, by up to twice for seconds at a time (load
 averages of 15-20 on 2 cores), so the faster of two is the cleaner measurement of what the configuration
-does. The device time is a floor, not a constant: with both cores busy the host's own share of a step (the
-tiny model's pass, the scheduler, the tracers) outlasts it, and one run's steps took 2.5x the fitted run's at
-the same batch size. Each prediction is therefore made on a device as much slower or faster as the machine
-ran the predicted run (:func:`_slowdown`: its steps' measured time against the fitted model's, over the
-same for the fitted run's steps, from the raw steps table), as ``benchmarks/whatif.py`` corrects its
-predictions: what is left is the simulator's own error in queueing and scheduling. The correction would
-also take out an error of the step-time model that is the same over all of a run's steps (a wrong cost of
-the small batches a ``max_num_seqs`` 2 run is made of), so the device whose step time bends with the batch,
-where that cost is what is tested, is predicted uncorrected. Tolerances are
-measured, not hoped for (docs/whatif.md, "Accuracy"): over ten sessions, predictions from a run the machine
-had not slowed were mostly within 20% at p50; a slowed run put single predictions up to 130% off; and at
-twice the rate, where the 40 requests arrive within 0.7 s and are served in about 30 steps, the ITL p50 was
-off by 57% and 71% in two of them. The bars sit above those figures; a simulator that ignored the
-scheduler's limits would miss the ``max_num_seqs`` run by more than an order of magnitude, whatever the
-correction.
+does. The device time is a floor, not a constant: the host's own share of a step (the tiny model's pass,
+the scheduler, the tracers) outlasts it when both cores are busy, and in one such session the changed runs
+took 1.45-3.3x the fitted run's step time (against its model), which put the uncorrected predictions of the
+three rate and budget changes 81-86% under their TTFT p50. Each prediction is therefore made on a device as
+much slower or faster as the machine ran the predicted run (:func:`_slowdown`: its steps' measured time
+against the fitted model's, over the same for the fitted run's steps, from the raw steps table), as
+``benchmarks/whatif.py`` corrects its predictions: what is left is the simulator's own error in queueing
+and scheduling. The correction would also take out an error of the step-time model that is the same over
+all of a run's steps (a wrong cost of the small batches a ``max_num_seqs`` 2 run is made of), so the device
+whose step time bends with the batch, where that cost is what is tested, is predicted uncorrected.
+Tolerances are measured, not hoped for (docs/whatif.md, "Accuracy"): over ten sessions, predictions from a
+run the machine had not slowed were mostly within 20% at p50; a slowed run put single predictions up to
+130% off; and at twice the rate, where the 40 requests arrive within 0.7 s and are served in about 30 steps,
+the ITL p50 was off by 57% and 71% in two of them. The bars sit above those figures; a simulator that
+ignored the scheduler's limits would miss the ``max_num_seqs`` run by more than an order of magnitude,
+whatever the correction.
 """
 
 from __future__ import annotations
