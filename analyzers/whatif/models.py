@@ -8,11 +8,13 @@
   matrix products use the CPU better on more rows; a GPU's decode step is bound by reading the weights), and
   sometimes the other way on a busy machine: the form is the one with the least error on held-out steps of
   the run itself (:func:`heldout_errors`, :func:`choose_form`). Fitted on the run's ``steps`` by least squares
-  on the *relative* error (each step's row divided by its measured duration) with every coefficient kept >= 0
-  (:func:`nonnegative_lstsq`). Relative, because a shared
+  on the *relative* error with every coefficient kept >= 0 (:func:`relative_fit`): each step's error divided
+  by its modelled duration, so that the fit gives each kind of step its mean time. Relative, because a shared
   machine's variation is multiplicative: an absolute fit lets the few long prefill steps, and the
   slow bursts, decide the fixed cost, and on the reference server put 1.4-2.4x the measured time on the
-  small decode steps of the same run. One per engine role present, plus
+  small decode steps of the same run; divided by the measured duration instead, a fit is biased low, the more
+  the more a kind of step varies (decode steps 0.68-0.76x their mean, prefill steps 0.87-0.96x, on the
+  benchmark's runs). One per engine role present, plus
   one over all steps (used for a role the run did not have). The model keeps the ratio of each fitted
   step's measured to modelled duration: a replay multiplies each simulated step by one of them drawn at
   random (seeded), so the run's own step-to-step variation (a busy machine's, a noisy neighbour's) is
@@ -52,7 +54,7 @@ from tokentrace.schema import Role, col
 
 __all__ = ["StepTimeModel", "StageCosts", "FittedModels", "fit_models", "nonnegative_lstsq", "relative_fit",
            "step_features", "seq_knots", "heldout_errors", "choose_form", "VARIATIONS", "STEP_FORMS", "NUM_RESAMPLES",
-           "NUM_FOLDS", "FORM_MARGIN"]
+           "NUM_FOLDS", "FORM_MARGIN", "MIN_KIND_STEPS"]
 
 VARIATIONS = ("ratio", "residual")
 """How a replay varies each step's modelled duration: multiply by a measured ratio, or add a measured residual."""
@@ -66,6 +68,12 @@ FORM_MARGIN = 0.02
 NUM_RESAMPLES = 40
 """Refits of a step-time model on resampled steps (:attr:`StepTimeModel.alternatives`)."""
 _BLOCK = 8  # consecutive steps per resampled block
+MIN_KIND_STEPS = 5
+"""A replay varies a step by the ratios of the run's steps of its kind (with or without prefill) when the run had
+at least this many of that kind (:meth:`StepTimeModel.variation_pools`)."""
+_REWEIGHTS = 8  # at most this many rounds of reweighting by the modelled time in :func:`relative_fit`
+_SETTLED = 1e-3  # ... stopped when no coefficient moved by more than this share of the largest (3-4 rounds)
+_MU_FLOOR = 0.05  # a row's modelled time is taken as at least this share of the median step when reweighting
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -98,11 +106,29 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """:func:`nonnegative_lstsq` on the relative error ``(x @ c - y) / y`` (rows with ``y <= 0`` left out)."""
+    """Coefficients ``c >= 0`` of ``y ~ x @ c`` whose error is weighed relative to each row's *modelled* time: the
+    mean of ``y`` given ``x`` when ``y`` varies by a factor around it (rows with ``y <= 0`` left out).
+
+    Started from :func:`nonnegative_lstsq` on ``(x @ c - y) / y``, then reweighted by the model's own time
+    (:data:`_REWEIGHTS` rounds of ``(x @ c - y) / (x @ c_prev)``, a gamma regression with an identity link). The
+    first alone is biased low, to about ``exp(-2 sigma^2)`` of the mean for a log-normal spread ``sigma`` (a slow
+    step weighs less than a fast one): on the reference server's steps it put 0.68-0.76x their mean on decode steps, whose
+    relative spread is widest, and 0.87-0.96x on prefill steps. Reweighted, each kind of step is modelled at
+    its mean, so a replay's queueing sees the run's throughput."""
     ok = y > 0
     if not ok.any():
         return nonnegative_lstsq(x, y)
-    return nonnegative_lstsq(x[ok] / y[ok, None], np.ones(int(ok.sum())))
+    x, y = x[ok], y[ok]
+    c = nonnegative_lstsq(x / y[:, None], np.ones(y.size))
+    floor = _MU_FLOOR * float(np.median(y))
+    for _ in range(_REWEIGHTS):
+        mu = np.maximum(x @ c, floor)
+        nxt = nonnegative_lstsq(x / mu[:, None], y / mu)
+        done = float(np.abs(nxt - c).max(initial=0.0)) <= _SETTLED * max(float(np.abs(nxt).max(initial=0.0)), 1e-300)
+        c = nxt
+        if done:
+            break
+    return c
 
 
 def step_features(num_prefill_tokens: Any, num_decode_tokens: Any, num_seqs: Any, decode_context: Any,
@@ -153,6 +179,24 @@ class StepTimeModel:
     knots: tuple[float, ...] = ()  # form "piecewise": the batch sizes (sequences) where the cost per sequence changes
     heldout: tuple[tuple[str, float], ...] = ()  # (form, mean relative error on held-out steps) per form tried
     other_fits: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()  # (form, knots, coefficients)
+    ratio_prefill: tuple[bool, ...] = ()  # per ratio: its step carried prefill tokens (empty: not known)
+    residual_prefill: tuple[bool, ...] = ()  # per residual: likewise
+
+    def variation_pools(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """The measured ratios (sorted) and residuals a replay draws from, each as (steps without prefill tokens,
+        steps with): a step is varied as the run's steps of its kind were (a prefill step's time varies
+        relatively less than a short decode step's); all of them where a kind had fewer than
+        :data:`MIN_KIND_STEPS` steps."""
+        out = []
+        for values, kinds in ((self.ratios, self.ratio_prefill), (self.residuals, self.residual_prefill)):
+            v = np.asarray(values, dtype=float)
+            k = np.asarray(kinds, dtype=bool)
+            pools = []
+            for want in (False, True):
+                sel = v[k == want] if k.size == v.size else v[:0]
+                pools.append(np.sort(sel if sel.size >= MIN_KIND_STEPS else v))
+            out.append(tuple(pools))
+        return out[0], out[1]
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -233,6 +277,7 @@ class StepTimeModel:
         mape = float(np.mean(np.abs(pred[ok] - y[ok]) / y[ok])) if ok.any() else float("nan")
         good = pred > 0
         ratios = tuple(float(r) for r in np.clip(y[good] / pred[good], 0.05, 20.0)) or (1.0,)
+        ratio_prefill = tuple(bool(v) for v in p[good] > 0) if good.any() else ()
         persistence = _lag1(np.log(np.asarray(ratios)))
         gaps = steps.gap_ns[mask]
         busy = np.isfinite(gaps) & (gaps >= 0) & steps.busy_after[mask]
@@ -244,7 +289,7 @@ class StepTimeModel:
                    int(mask.sum()), mape, ratios, tuple(float(g) for g in gaps[busy]), persistence,
                    tuple(float(r) for r in y - pred), "ratio", lo, hi, _resampled_fits(x, y), form,
                    tuple(float(v) for v in c[5:]), knots if form == "piecewise" else (),
-                   tuple(heldout.items()), others)
+                   tuple(heldout.items()), others, ratio_prefill, tuple(bool(v) for v in p > 0))
 
 
 def seq_knots(num_seqs: np.ndarray) -> tuple[float, ...]:

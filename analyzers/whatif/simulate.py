@@ -105,8 +105,9 @@ def simulate(deployment: Deployment, arrivals: list[Arrival], *, seed: int | Non
              record: Callable[[StepRecord], None] | None = None) -> list[Outcome]:
     """Replay ``arrivals`` through ``deployment``; one outcome per arrival, in the same order.
 
-    ``seed``: each step's duration is its model's mean times one of the model's measured ratios, and each
-    busy gap one of its measured gaps, drawn with this seed; ``None``: the means alone (no variation). ``record``: called with every step when it ends."""
+    ``seed``: each step's duration is its model's mean times one of the model's measured ratios of steps of its
+    kind (with or without prefill tokens; a slow period, kept with the model's persistence, is kept as a
+    quantile, so it slows both kinds alike), and each busy gap one of its measured gaps, drawn with this seed; ``None``: the means alone (no variation). ``record``: called with every step when it ends."""
     sim = _Cluster(deployment, None if seed is None else np.random.default_rng(seed))
     sim.record = record
     return sim.run(arrivals)
@@ -127,7 +128,8 @@ class _Cluster:
         self.busy = [False] * len(self.engines)
         self.pending: list[tuple[SimStep, int] | None] = [None] * len(self.engines)
         self.num_steps = [0] * len(self.engines)
-        self.ratio = [1.0] * len(self.engines)  # each engine's current step-time ratio (kept while persistent)
+        self.rank = [0.0] * len(self.engines)  # each engine's current step-time ratio, as a quantile (kept while persistent)
+        self.pools = [e.model.variation_pools() for e in self.setups]
         self.record: Callable[[StepRecord], None] | None = None
         self.events: list[tuple[int, int, int, int, object]] = []
         self.n = 0
@@ -192,12 +194,13 @@ class _Cluster:
         self.pending[i] = (step, t)
         model = self.setups[i].model
         dur = model.duration_ns(step.num_prefill_tokens, step.num_decode_tokens, step.num_seqs, step.decode_context)
-        if self.rng is not None and model.variation == "residual" and model.residuals:
-            dur = max(dur + model.residuals[int(self.rng.integers(len(model.residuals)))], 0.05 * dur)
-        elif self.rng is not None:
+        (ratios, residuals), kind = self.pools[i], int(step.num_prefill_tokens > 0)
+        if self.rng is not None and model.variation == "residual" and residuals[kind].size:
+            dur = max(dur + residuals[kind][int(self.rng.integers(residuals[kind].size))], 0.05 * dur)
+        elif self.rng is not None and ratios[kind].size:
             if self.num_steps[i] == 0 or self.rng.random() >= model.persistence:
-                self.ratio[i] = model.ratios[int(self.rng.integers(len(model.ratios)))]
-            dur *= self.ratio[i]
+                self.rank[i] = self.rng.random()
+            dur *= ratios[kind][int(self.rank[i] * ratios[kind].size)]
         self.push(t + max(dur, 0.0), _END, i)
 
     def end(self, i: int, t: int, finals: dict[int, SimRequest]) -> None:
