@@ -13,7 +13,11 @@ SSE chunks. Each arm's output tokens per engine step are printed too: with the `
 costs about the same whatever its batch, so an arm whose streams were batched less well spends more
 CPU per token for that reason alone, apart from the tracer's own work. Each arm's CPU time per output token is also printed by thread (the client, the server's
 event loop, the engine loop, the recorder's threads): the tracer's cost in the loop and the engine
-shows apart from the client's and the model's noise.
+shows apart from the client's and the model's noise. Each arm's event-loop wake-ups per output token are
+printed too (voluntary context switches of the loop's thread: a count, which the load of a shared machine
+barely moves): with the ``small`` preset a decode step takes longer than the loop-lag sampler's 10 ms
+period, so its ticks wake a loop that would otherwise wait for the next step, and each wake-up costs the
+loop a whole iteration (tens of microseconds of CPU on a quiet machine, over 100 on a loaded one).
 
 With ``--features``, every round also runs tracing without each optional feature (the crash
 journal, the loop-lag sampler, kernel receive timestamps) and with live metrics, and the cost of
@@ -164,6 +168,26 @@ def _read_clocks(clocks: dict[int, tuple[str, int]]) -> dict[int, float]:
         except OSError:  # the thread ended
             pass
     return out
+
+
+def _loop_wakeups() -> int:
+    """Voluntary context switches of the server's event-loop thread so far (Linux; 0 elsewhere): one each
+    time the loop sleeps in ``epoll_wait`` (or waits for the GIL) and wakes up again. A count, not a time,
+    so the load of a shared machine barely moves it per output token: a traced arm that wakes the loop more
+    often (the loop-lag sampler's ticks on an otherwise waiting loop) shows it here, apart from the noise of
+    the CPU times."""
+    total = 0
+    for t in threading.enumerate():
+        if _thread_group(t.name) != "loop" or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except OSError:  # not Linux, or the thread ended
+            pass
+    return total
 
 
 RECORDER_THREADS = ("tokentrace-flush", "tokentrace-journal")
@@ -323,10 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     cpu_per_token: dict[str, list[float]] = {arm: [] for arm in arms}  # process CPU us per output token
     tokens_per_step: dict[str, list[float]] = {arm: [] for arm in arms}  # output tokens per engine step
+    wakeups: dict[str, list[float]] = {arm: [] for arm in arms}  # event-loop wake-ups per output token
     group_cpu: dict[str, dict[str, list[float]]] = {arm: {g: [] for g in THREAD_GROUPS} for arm in arms}
     thread_cpu_s = dict.fromkeys(RECORDER_THREADS, 0.0)  # traced rounds: each recorder thread's CPU time
     process_cpu_s = 0.0  # and the whole process's
     ticks = dict.fromkeys(("ticks", "late", "deferred"), 0)  # the loop-lag sampler's, in traced rounds
+    traced_tokens = 0  # output tokens of the traced rounds
     with tempfile.TemporaryDirectory() as store, serve_in_thread(app) as server:
         asyncio.run(_round(server.url, args))  # warm-up: model, allocator, connections
         for r in range(args.rounds):
@@ -338,11 +364,14 @@ def main(argv: list[str] | None = None) -> None:
                     threads = _thread_clocks()
                     threads_start = _read_clocks(threads)
                     steps_start = backend.engine.stats().num_steps  # (the engine is idle between rounds)
+                    wakeups_start = _loop_wakeups()
                     cpu_start = time.process_time()
                     try:
                         tput, itl, num_tokens = asyncio.run(_round(server.url, args))
                         cpu_per_token[arm].append((time.process_time() - cpu_start) / max(num_tokens, 1) * 1e6)
                         tokens_per_step[arm].append(num_tokens / max(backend.engine.stats().num_steps - steps_start, 1))
+                        wakeups[arm].append((_loop_wakeups() - wakeups_start) / max(num_tokens, 1))
+                        traced_tokens += num_tokens if arm == "traced" else 0
                         used = dict.fromkeys(THREAD_GROUPS, 0.0)
                         for ident, t in _read_clocks(threads).items():
                             if ident in threads_start:
@@ -375,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{arm:12s} median process CPU per output token {statistics.median(values):8.1f} us")
     print("median output tokens per engine step (the batch; a smaller one costs more CPU per token by itself): "
           + " ".join(f"{arm} {statistics.median(v):.2f}" for arm, v in tokens_per_step.items()))
+    if any(any(v) for v in wakeups.values()):
+        print("median event-loop wake-ups per output token (voluntary context switches of its thread; a count the "
+              "load moves little): " + " ".join(f"{arm} {statistics.median(v):.2f}" for arm, v in wakeups.items()))
     if any(any(v) for v in group_cpu["bare"].values()):
         print("median CPU per output token by thread (us): " + " ".join(f"{g:>9s}" for g in THREAD_GROUPS))
         for arm, groups in group_cpu.items():
@@ -391,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name} thread CPU in traced rounds: {cpu_s * 1e3:.0f} ms of {process_cpu_s:.1f} s "
                   f"({100 * cpu_s / process_cpu_s:.2f}% of the process)")
     if ticks["ticks"] or ticks["deferred"]:
-        print(f"loop-lag sampler in traced rounds: {ticks['ticks']} ticks ({ticks['late']} late), "
+        print(f"loop-lag sampler in traced rounds: {ticks['ticks']} ticks ({ticks['late']} late; "
+              f"{ticks['ticks'] / max(traced_tokens, 1):.2f} per output token), "
               f"{ticks['deferred']} more stood in for by a traced write on a loop with nothing waiting")
     device = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, load average "

@@ -58,8 +58,10 @@ bump ``SCHEMA_VERSION``; added columns need no entry (they read as nulls).
 
 def with_run_column(data: pa.Table, run_id: str) -> pa.Table:
     """``data`` with :data:`~tokentrace.schema.RUN_COLUMN` appended (``run_id`` in every row), as
-    part files are written. Dictionary-encoded: one value per file costs a few bytes."""
-    values = pa.DictionaryArray.from_arrays(pa.array([0] * data.num_rows, pa.int32()), pa.array([run_id]))
+    part files are written. Dictionary-encoded: one value per file costs a few bytes. The indices
+    (all 0) are one zeroed buffer: a Python list of them cost ~40 ns a row on every part written."""
+    indices = pa.Array.from_buffers(pa.int32(), data.num_rows, [None, pa.py_buffer(bytes(4 * data.num_rows))])
+    values = pa.DictionaryArray.from_arrays(indices, pa.array([run_id]))
     return data.append_column(RUN_COLUMN.field().with_type(values.type), values)
 
 
