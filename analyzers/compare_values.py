@@ -1,5 +1,6 @@
 """What a comparison (:mod:`analyzers.compare`) reads of one run: its latency and stage rows, each stage's median
-per token, and the context rows (:data:`CONTEXT`), as :class:`RunValues`, computed once per run."""
+per token (the derived fact :data:`STAGE_MEDIANS`), and the context rows (:data:`CONTEXT`), as :class:`RunValues`,
+computed once per run."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from analyzers import facts
 from analyzers.diff import run_values
 from analyzers.source import Source
 from analyzers.timing import request_table, token_times
 from tokentrace.schema import INSTANCES, REQUESTS, SPANS, STEPS, TOKENS, Stage, col
 
-__all__ = ["CONTEXT", "RunValues", "values_of", "context_values"]
+__all__ = ["CONTEXT", "STAGE_MEDIANS", "RunValues", "values_of", "context_values"]
 
 CONTEXT: dict[str, str] = {"cache.hit_rate": "fraction", "schedule.preemptions": "count",
                            "engine.utilisation": "fraction", "schedule.queue_depth": "count"}
@@ -63,28 +65,45 @@ def values_of(src: Source) -> RunValues:
     return RunValues({k: v for k, (_, v) in vals.items()} | context_values(src), {k: n for k, (n, _) in vals.items()})
 
 
-def _stage_medians(src: Source) -> dict[tuple[str, str], tuple[int, float]]:
-    """Per stage, the median over delivered tokens of the stage's own time for each token (its spans of the stage
-    summed, whole; 0 for a token without one), per token 0 (``.ttft``) and per later token (``.itl``): statistic
-    ``p50``. A stage mean carries every stall of a busy machine (one descheduled step of 100 ms moves a mean over a
-    few hundred tokens by a third), and the time inside each token's interval hides most of a step when the stream
-    runs behind the engine and delivers tokens in bursts; the median of the stage's own time moves with what most
-    tokens spent there, as a delay in every step does."""
+def _stage_medians_sql(src: Source) -> str:
+    """Per kind of token (token 0 or a later one) and stage, the median over the delivered tokens of that kind of
+    the stage's own time for each token (its spans of the stage summed, whole; 0 for a token without one), ms."""
     c = col
     tt = token_times(src)
-    per = src.df(f"""
+    return f"""
         WITH per AS (SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}, s.{c.STAGE},
                             SUM(GREATEST(0, s.{c.END_NS} - s.{c.START_NS})) AS ns
                      FROM srv_spans s SEMI JOIN {tt} t USING ({c.REQUEST_ID}, {c.TOKEN_INDEX}) GROUP BY ALL),
              stages AS (SELECT DISTINCT {c.STAGE} FROM per)
-        SELECT t.{c.TOKEN_INDEX} = 0 AS first, s.{c.STAGE} AS stage, MEDIAN(COALESCE(p.ns, 0)) / 1e6 AS ms
+        SELECT t.{c.TOKEN_INDEX} = 0 AS is_first_token, s.{c.STAGE}, MEDIAN(COALESCE(p.ns, 0)) / 1e6 AS median_ms
         FROM {tt} t CROSS JOIN stages s
         LEFT JOIN per p ON p.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND p.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
                        AND p.{c.STAGE} = s.{c.STAGE}
-        GROUP BY ALL""")
-    tokens = src.df(f"SELECT {c.TOKEN_INDEX} = 0 AS first, COUNT(*) AS n FROM {tt} GROUP BY ALL")
+        GROUP BY ALL"""
+
+
+STAGE_MEDIANS = facts.Fact(
+    "stage_medians", "Per kind of token (token 0 or a later one) and stage with spans: the median over the delivered "
+                     "tokens of that kind of the stage's own time for each token (its spans of the stage summed, "
+                     "whole; 0 for a token without one). The stage rows (statistic p50) of a comparison.",
+    (facts.boolean("is_first_token", "True for token 0 (TTFT), false for the later tokens (ITL)."),
+     SPANS.column(col.STAGE),
+     facts.f64("median_ms", "The median of the stage's own time per token of the kind; ms.")),
+    select=_stage_medians_sql)
+
+
+def _stage_medians(src: Source) -> dict[tuple[str, str], tuple[int, float]]:
+    """Per stage, the median over delivered tokens of the stage's own time for each token (:data:`STAGE_MEDIANS`,
+    through :func:`analyzers.facts.relation`: the run's saved copy or built now), per token 0 (``.ttft``) and per
+    later token (``.itl``): statistic ``p50``. A stage mean carries every stall of a busy machine (one descheduled
+    step of 100 ms moves a mean over a few hundred tokens by a third), and the time inside each token's interval
+    hides most of a step when the stream runs behind the engine and delivers tokens in bursts; the median of the
+    stage's own time moves with what most tokens spent there, as a delay in every step does."""
+    c = col
+    per = src.df(f"SELECT is_first_token, {c.STAGE}, median_ms FROM {facts.relation(src, STAGE_MEDIANS)}")
+    tokens = src.df(f"SELECT {c.TOKEN_INDEX} = 0 AS first, COUNT(*) AS n FROM {token_times(src)} GROUP BY ALL")
     count = {bool(f): int(n) for f, n in zip(tokens["first"], tokens["n"])}
-    got = {(bool(f), int(st)): float(ms) for f, st, ms in zip(per["first"], per["stage"], per["ms"])}
+    got = {(bool(f), int(st)): float(ms) for f, st, ms in zip(per["is_first_token"], per[c.STAGE], per["median_ms"])}
     out = {}
     for kind, first in (("ttft", True), ("itl", False)):
         if count.get(first):

@@ -25,6 +25,7 @@ from typing import Any
 from analyzers import facts
 from analyzers.attribution import TOKEN_COVERAGE
 from analyzers.batch import DECODE_TOKEN_STEPS
+from analyzers.compare_values import STAGE_MEDIANS
 from analyzers.diff import RUN_BOOTSTRAP
 from analyzers.latency import TOKEN_GROUPS
 from analyzers.slo import REQUEST_REPORTED_TOKENS
@@ -39,7 +40,7 @@ __all__ = ["FACTS", "derive"]
 
 FACTS: tuple[facts.Fact, ...] = (TOKEN_TIMES, TOKEN_STEPS, REQUEST_FACTS, TOKEN_STAGE_NS, TOKEN_COVERAGE,
                                  REQUEST_STAGE_NS, REQUEST_COMPUTE_NS, DECODE_TOKEN_STEPS, REQUEST_REPORTED_TOKENS,
-                                 TOKEN_GROUPS, SPEC_STEP_ROWS, SPEC_DECODE_TOKENS, RUN_BOOTSTRAP)
+                                 TOKEN_GROUPS, SPEC_STEP_ROWS, SPEC_DECODE_TOKENS, RUN_BOOTSTRAP, STAGE_MEDIANS)
 """Every derived fact, in the order :func:`derive` writes them (a fact's builder may open an earlier one)."""
 
 _BATCH_ROWS = 1 << 20  # rows per record batch streamed into a derived file

@@ -87,11 +87,8 @@ def _samples(src: Source) -> _RunSamples:
     for kind, first in (("ttft", True), ("itl", False)):
         s = np.zeros((len(req), len(STAGE_LABELS)))
         n = np.zeros(len(req))
-        for rid, is_first, per_stage in stage_ms:  # one value per (request, stage): added once into its cell
-            sel = is_first == first
-            idx, found = _positions(ids, rid[sel])
-            for stage, ms in per_stage.items():
-                s[idx, ROW_OF_STAGE[stage]] += ms[sel][found]
+        idx, found = _positions(ids, stage_ms[c.REQUEST_ID].to_numpy())  # one row per (request, stage): its cell
+        s[idx, ROW_OF_STAGE[stage_ms[c.STAGE].to_numpy(np.int64)[found]]] = stage_ms[kind].to_numpy(float)[found]
         t = tok[tok["first"] == first]
         idx, found = _positions(ids, t[c.REQUEST_ID].to_numpy())
         n[idx] = t["n"].to_numpy(float)[found]
@@ -130,21 +127,16 @@ def _positions(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndar
     return at[found], found
 
 
-def _request_stage_ms(src: Source) -> list[tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]]:
-    """Rows of (request id, whether the sums are of its first token) with, per stage, the ms of that stage's spans
-    inside those tokens' intervals: (request ids, first flags, {stage: ms}), from the per-request stage sums
-    (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`: token 0's part, and the rest; 0 where a request has no
-    span of the stage)."""
+def _request_stage_ms(src: Source) -> pd.DataFrame:
+    """One row per request and stage with spans inside its token intervals: request_id, stage_id, and ``ttft`` /
+    ``itl``: the ms of that stage's spans inside its first token's interval / its later tokens' intervals, from the
+    per-request stage sums (:data:`analyzers.stage_breakdown.REQUEST_STAGE_NS`: token 0's part, and the rest; summed
+    over the roles that recorded them). A stage without a row has no span there: 0."""
     c = col
     first_ns = "COALESCE(first_ns, 0)"
-    ttft = "".join(f", SUM(CASE WHEN {c.STAGE} = {int(st)} THEN {first_ns} ELSE 0 END) / 1e6 AS t_{int(st)}"
-                   for st in Stage)
-    itl = "".join(f", SUM(CASE WHEN {c.STAGE} = {int(st)} THEN ns - {first_ns} ELSE 0 END) / 1e6 AS i_{int(st)}"
-                  for st in Stage)
-    wide = src.df(f"SELECT {c.REQUEST_ID}{ttft}{itl} FROM {request_stage_ns(src)} GROUP BY {c.REQUEST_ID}")
-    ids = wide[c.REQUEST_ID].to_numpy()
-    return [(ids, np.full(len(ids), first), {int(st): wide[f"{prefix}_{int(st)}"].to_numpy(float) for st in Stage})
-            for first, prefix in ((True, "t"), (False, "i"))]
+    known = ", ".join(str(int(st)) for st in Stage)
+    return src.df(f"""SELECT {c.REQUEST_ID}, {c.STAGE}, SUM({first_ns}) / 1e6 AS ttft, SUM(ns - {first_ns}) / 1e6 AS itl
+                      FROM {request_stage_ns(src)} WHERE {c.STAGE} IN ({known}) GROUP BY {c.REQUEST_ID}, {c.STAGE}""")
 
 
 def _stat(x: np.ndarray, q: float | None, axis: int = -1) -> np.ndarray:

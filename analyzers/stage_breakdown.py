@@ -94,7 +94,7 @@ def _span_stage_sums(src: Source, marked: str | None) -> None:
     """Temp table :data:`_SPAN_STAGE_SUMS`: the spans' clipped time (:func:`analyzers.attribution.span_pieces_sql`)
     summed per request, stage, recording instance and ``token``: the token it counts in when that token is in
     relation ``marked`` (distinct (request_id, token_index) pairs), else -1 for token 0 and -2 for a later one;
-    with ``lo``, the earliest moment of that time (null without any).
+    with ``lo``, the earliest moment of that time in token 0's interval (null without any: only token 0's is read).
 
     One pass over the spans gives both the per-request sums and the marked tokens' own rows: a few groups more
     than the requests' alone, never one per token."""
@@ -105,7 +105,8 @@ def _span_stage_sums(src: Source, marked: str | None) -> None:
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE {_SPAN_STAGE_SUMS} AS
         SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token} AS token,
-               SUM(GREATEST(0, p.hi - p.lo)) AS ns, MIN(CASE WHEN p.hi > p.lo THEN p.lo END) AS lo
+               SUM(GREATEST(0, p.hi - p.lo)) AS ns,
+               MIN(CASE WHEN p.{c.TOKEN_INDEX} = 0 AND p.hi > p.lo THEN p.lo END) AS lo
         FROM ({span_pieces_sql(src, mark=marked)}) p
         WHERE p.{c.STAGE} IS NOT NULL
         GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token}

@@ -113,14 +113,12 @@ def _one_row_per_token_sql(table: str) -> str:
     t_end = f"COALESCE(t.{c.SENT_NS}, t.{c.RECV_NS}, t.{c.EMIT_NS})"
     return f"""
         CREATE OR REPLACE TEMP TABLE {table} AS
-        WITH arrivals AS ({_ARRIVALS}), ordered AS (
-            SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, {t_end} AS t_end, a.arrival,
-                   LAG({t_end}) OVER w AS prev_end, LAG(t.{c.TOKEN_INDEX}) OVER w AS prev_index,
-                   {_first_visible(t_end, f"t.{c.SENT_NS}")}
+        WITH arrivals AS ({_arrivals_sql("srv_tokens t", t_end, f"t.{c.SENT_NS}")}), ordered AS (
+            SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, {t_end} AS t_end, a.arrival, a.first_visible,
+                   LAG({t_end}) OVER w AS prev_end, LAG(t.{c.TOKEN_INDEX}) OVER w AS prev_index
             FROM srv_tokens t JOIN arrivals a USING ({c.REQUEST_ID})
             WHERE {t_end} IS NOT NULL
-            WINDOW w AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX}),
-                   r AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX} {_WHOLE})
+            WINDOW w AS (PARTITION BY t.{c.REQUEST_ID} ORDER BY t.{c.TOKEN_INDEX})
         )
         {_intervals_sql("COALESCE(prev_index = " + c.TOKEN_INDEX + ", false) AS " + _REPEATED)}
     """
@@ -131,36 +129,36 @@ def _grouped_sql(table: str) -> str:
     c = col
     return f"""
         CREATE OR REPLACE TEMP TABLE {table} AS
-        WITH arrivals AS ({_ARRIVALS}), ends AS (
+        WITH ends AS (
             SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, MIN({c.SENT_NS}) AS sent,
                    COALESCE(MIN({c.SENT_NS}), MIN({c.RECV_NS}), MIN({c.EMIT_NS})) AS t_end
             FROM srv_tokens GROUP BY {c.REQUEST_ID}, {c.TOKEN_INDEX}
-        ), ordered AS (
-            SELECT e.{c.REQUEST_ID}, e.{c.TOKEN_INDEX}, e.t_end, a.arrival, LAG(e.t_end) OVER w AS prev_end,
-                   LAG(e.{c.TOKEN_INDEX}) OVER w AS prev_index, {_first_visible("e.t_end", "e.sent")}
+        ), arrivals AS ({_arrivals_sql("ends e", "e.t_end", "e.sent")}), ordered AS (
+            SELECT e.{c.REQUEST_ID}, e.{c.TOKEN_INDEX}, e.t_end, a.arrival, a.first_visible,
+                   LAG(e.t_end) OVER w AS prev_end, LAG(e.{c.TOKEN_INDEX}) OVER w AS prev_index
             FROM ends e JOIN arrivals a USING ({c.REQUEST_ID})
             WHERE e.t_end IS NOT NULL
-            WINDOW w AS (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX}),
-                   r AS (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX} {_WHOLE})
+            WINDOW w AS (PARTITION BY e.{c.REQUEST_ID} ORDER BY e.{c.TOKEN_INDEX})
         )
         {_intervals_sql()}
     """
 
 
-_ARRIVALS = (f"SELECT {col.REQUEST_ID}, MIN({col.ARRIVAL_NS}) AS arrival, MIN({col.FIRST_CONTENT_NS}) AS first_content "
-             f"FROM srv_requests GROUP BY {col.REQUEST_ID}")
-"""Per request: its arrival and its first visible content (earliest over the server rows), for ``token_times``."""
-
-
-_WHOLE = "ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING"
-
-
-def _first_visible(t_end: str, sent: str) -> str:
-    """The select item ``first_visible`` (``F`` of the module doc) of a token row in CTE ``ordered``, over its
-    request's rows (window ``r``: the whole partition, in the order of ``w``, so no second sort); ``a`` is the
-    arrivals CTE."""
-    return (f"LEAST(COALESCE(a.first_content, MIN({sent}) OVER r, MIN({t_end}) OVER r), MAX({t_end}) OVER r) "
-            f"AS first_visible")
+def _arrivals_sql(tokens: str, t_end: str, sent: str) -> str:
+    """Per request: its arrival (earliest over the server rows) and ``first_visible`` (``F`` of the module doc: its
+    first visible content, else its first token sent, else its first delivery; never after its last delivery), from
+    token rows ``tokens`` with delivery ``t_end`` and sent time ``sent``. One grouped pass over the token rows: no
+    window aggregate over each request's rows beside the sort that orders them."""
+    c = col
+    return f"""
+        SELECT r.{c.REQUEST_ID}, r.arrival,
+               LEAST(COALESCE(r.first_content, d.first_sent, d.first_end), d.last_end) AS first_visible
+        FROM (SELECT {c.REQUEST_ID}, MIN({c.ARRIVAL_NS}) AS arrival, MIN({c.FIRST_CONTENT_NS}) AS first_content
+              FROM srv_requests GROUP BY {c.REQUEST_ID}) r
+        LEFT JOIN (SELECT {c.REQUEST_ID}, MIN({sent}) AS first_sent, MIN({t_end}) AS first_end,
+                          MAX({t_end}) AS last_end
+                   FROM {tokens} GROUP BY {c.REQUEST_ID}) d USING ({c.REQUEST_ID})
+    """
 
 
 def _intervals_sql(extra: str = "") -> str:
