@@ -38,7 +38,7 @@ from analyzers.diagnosis.run_context import RunContext
 from tokentrace.schema import col
 
 __all__ = ["queue_findings", "NEIGHBOUR_SHARE", "NEIGHBOUR_RATE_FACTOR", "NEIGHBOUR_MIN_REQUESTS", "NEIGHBOUR_OWN_FACTOR",
-           "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR", "MIN_WAIT_MS", "arrival_share"]
+           "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR", "MIN_WAIT_MS", "AT_ONCE_S", "arrival_share"]
 
 NEIGHBOUR_SHARE = 1.25  # one other tenant holds the most batch seats, at least 1.25x an even share (1 / tenants) ...
 NEIGHBOUR_RATE_FACTOR = 2.0  # ... and arrived at twice an even share of the offered rate ...
@@ -47,6 +47,7 @@ NEIGHBOUR_OWN_FACTOR = 1.5  # ... that were 1.5x its run-wide share of the arriv
 BURST_MIN_REQUESTS = 4  # a burst: at least 4 requests in the system, this one included ...
 BURST_RATE_FACTOR = 1.5  # ... that arrived at 1.5x the mean offered rate or faster
 MIN_WAIT_MS = 0.5  # waits shorter than this are not worth a cause
+AT_ONCE_S = 0.05  # arrivals closer together than this are told as "within N ms", not as a rate
 
 
 def queue_findings(ctx: RunContext, rid: int, arrival: int, start: int, end: int, instance: int,
@@ -119,8 +120,8 @@ def _noisy_neighbour(ctx: RunContext, rid: int, start: int, end: int, instance: 
         if rate >= NEIGHBOUR_RATE_FACTOR * even and during >= NEIGHBOUR_OWN_FACTOR * usual:
             ms = rest_ns * held / 1e6
             return Finding(NOISY_NEIGHBOUR, ms, f"waited {ms:,.1f} ms while tenant {tenant or '(none)'}'s requests "
-                           f"held {held * 100:.0f}% of the engine's batch seats ({len(theirs)} requests, arriving "
-                           f"at {rate:,.1f} req/s against an even share of {even:,.2f} req/s per tenant; "
+                           f"held {held * 100:.0f}% of the engine's batch seats ({len(theirs)} requests, "
+                           f"{_arriving(len(theirs), window_s)} against an even share of {even:,.2f} req/s per tenant; "
                            f"{during * 100:.0f}% of the arrivals while they came, against {usual * 100:.0f}% of the "
                            f"run's)", stage=stage, tenant=tenant)
     return _backlog(ctx, seats, mine, start, rest_ns, stage, even)
@@ -151,7 +152,7 @@ def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, start: int, rest_n
     ms = rest_ns * held / 1e6
     evidence = (f"waited {ms:,.1f} ms behind the backlog tenant {tenant or '(none)'}'s burst built: "
                 f"{held * 100:.0f}% of the engine's batch seats during its wait went to its requests or to requests "
-                f"that had queued behind them ({b.size} requests, arriving at {b.rps:,.1f} req/s against an even "
+                f"that had queued behind them ({b.size} requests, {_arriving(b.size, b.window_s)} against an even "
                 f"share of {even:,.2f} req/s per tenant; {b.share * 100:.0f}% of the arrivals while they came, "
                 f"against {b.usual_share * 100:.0f}% of the run's)")
     return Finding(NOISY_NEIGHBOUR, ms, evidence, stage=stage, tenant=tenant)
@@ -159,13 +160,14 @@ def _backlog(ctx: RunContext, seats: pd.DataFrame, mine: str, start: int, rest_n
 
 @dataclass(frozen=True, slots=True)
 class Burst:
-    """A tenant's burst of its own: its requests (row positions in the run's requests), how many, how fast,
-    their share of the arrivals while they came and the tenant's share of the run's; when the first arrived
+    """A tenant's burst of its own: its requests (row positions in the run's requests), how many, how fast and
+    over how long, their share of the arrivals while they came and the tenant's share of the run's; when the first arrived
     and the last of them finished (ns)."""
 
     rows: np.ndarray
     size: int
     rps: float
+    window_s: float
     share: float
     usual_share: float
     first_ns: int
@@ -189,7 +191,8 @@ def tenant_bursts(ctx: RunContext, tenant: str, min_rps: float) -> list[Burst]:
             during, usual = arrival_share(ctx, tenant, int(a[lo]), int(a[hi - 1]))
             if during >= NEIGHBOUR_OWN_FACTOR * usual:
                 rows = theirs[lo:hi]
-                out.append(Burst(rows, int(hi - lo), rate, during, usual, int(a[lo]), float(ctx.ends_of(rows).max())))
+                out.append(Burst(rows, int(hi - lo), rate, window_s, during, usual, int(a[lo]),
+                                 float(ctx.ends_of(rows).max())))
         ctx.memo[key] = out
     return ctx.memo[key]
 
@@ -316,10 +319,19 @@ def _load_finding(ctx: RunContext, arrival: int, ahead: np.ndarray, rest_ns: flo
     if rate < BURST_RATE_FACTOR * ctx.offered_rps:
         return None
     start_s = (first - int(ctx.arrivals_of(np.arange(len(ctx.ev.requests))).min())) / 1e9
-    evidence = (f"waited {rest_ns / 1e6:,.1f} ms in {stage} behind a burst: {size} requests arrived in "
-                f"{span_s:,.2f} s from t={start_s:,.1f} s ({rate:,.1f} req/s against a mean of "
+    came = (f"arrived within {span_s * 1e3:,.1f} ms at t={start_s:,.1f} s (" if span_s < AT_ONCE_S else
+            f"arrived in {span_s:,.2f} s from t={start_s:,.1f} s ({rate:,.1f} req/s ")
+    evidence = (f"waited {rest_ns / 1e6:,.1f} ms in {stage} behind a burst: {size} requests {came}against a mean of "
                 f"{ctx.offered_rps:,.1f} req/s)")
     return Finding(BURST, rest_ns / 1e6, evidence, stage=stage)
+
+
+def _arriving(n: int, window_s: float) -> str:
+    """How ``n`` requests arrived over ``window_s``: a rate, or, over a window under ``AT_ONCE_S``, the window
+    itself (a rate over a few microseconds says nothing a reader can use)."""
+    if window_s < AT_ONCE_S:
+        return f"arriving within {window_s * 1e3:,.1f} ms,"
+    return f"arriving at {(n - 1) / window_s:,.1f} req/s"
 
 
 def _f(value: object) -> str:

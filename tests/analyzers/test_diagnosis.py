@@ -186,6 +186,18 @@ def test_a_burst_under_capacity_is_a_burst_with_its_size_and_rate():
     assert set(d.requests["first_cause"]) == {"burst"}  # the steady requests met their targets
 
 
+def test_a_burst_of_requests_at_one_instant_is_told_by_its_window_not_a_rate():
+    h = HandMade()
+    arrivals = [i * 1000.0 for i in range(20)] + [20_000 + i * 1.0 for i in range(8)] + [24_000 + i * 1000.0
+                                                                                         for i in range(6)]
+    simulate(h, arrivals, mode="colocated", decode_step_ms=20.0, output=10, prompt=20)
+    d = diagnose(h.source())
+    burst = d.requests[d.requests[col.ARRIVAL_NS] >= 20_000 * 1e6]
+    last = _causes(d, int(burst.sort_values(col.ARRIVAL_NS).iloc[-1][col.REQUEST_ID]))[0]
+    assert last["cause"] == "burst", last
+    assert "8 requests arrived within 7.0 ms at t=20.0 s (against a mean of" in last["evidence"], last["evidence"]
+
+
 def test_a_noisy_tenants_burst_is_named_with_the_tenant():
     h = HandMade()
     quiet = [i * 500.0 for i in range(30)]

@@ -30,7 +30,7 @@ def test_the_demo_run_says_which_targets_were_missed_and_names_the_burst():
     lines = result.stdout.splitlines()
     assert lines[0].startswith("SLO MISSED: ") and "served requests" in lines[0]
     why = [line for line in lines if line.startswith("Why #")]
-    assert any(": burst," in line and "requests arrived in" in line and "Fix: absorb bursts" in line for line in why), why
+    assert any(": burst," in line and "requests arrived within" in line and "Fix: absorb bursts" in line for line in why), why
     assert "The 5 request(s) furthest over target:" in result.stdout
 
 
