@@ -94,6 +94,7 @@ _HEX = frozenset("0123456789abcdef")
 
 # Stages of the per-token path, bound once (an enum class attribute costs a lookup each time).
 _STREAM_RELAY, _DETOKENIZE, _STREAM_SEND = Stage.STREAM_RELAY, Stage.DETOKENIZE, Stage.STREAM_SEND
+_MAX_AWAITING_SEND = 4096  # finished requests whose transfer.kv waits for the prefill worker's send report, at most
 
 
 def trace_id_of(traceparent: str | None) -> str:
@@ -136,6 +137,9 @@ class _GReq:
     out_ns: int = -1  # the worker handed out the latest token (gateway clock), -1 = unknown
     out_index: int = -1
     out_instance: str = ""
+    # the latest hand-out of the instance before out_instance (ns, index, instance): the prefill worker's last
+    # token once the decode worker's tokens arrive, which can be before the prefill worker reports its KV send
+    before: tuple[int, int, str] | None = None
 
 
 class GatewayTracer(gh.GatewayObserver):
@@ -155,6 +159,8 @@ class GatewayTracer(gh.GatewayObserver):
         """Where a request's session id is read (``instrument.sessions``)."""
         self._relay = relay
         self._reqs: dict[str, _GReq] = {}
+        # finished requests whose transfer.kv waits for the prefill worker's report of its send (oldest first)
+        self._awaiting_send: dict[str, _GReq] = {}
         self.clocks = clocks if clocks is not None else OffsetBook()
         self.loop_lag = LoopLagSampler(recorder, is_idle=self._is_idle)
         """Samples this gateway's event loop while requests are in flight (``loop_lags`` rows)."""
@@ -171,10 +177,14 @@ class GatewayTracer(gh.GatewayObserver):
 
     def on_kv_transfer_end(self, event: Any) -> None:
         """Relayed worker event: the prefill worker's send ended; when its first chunk left (its clock)."""
-        g = self._reqs.get(event.request_id)
         first_sent_ns = getattr(event, "first_sent_ns", -1)
-        if g is None or event.direction != "send" or first_sent_ns < 0:
+        if event.direction != "send" or first_sent_ns < 0:
             return
+        g = self._reqs.get(event.request_id)
+        if g is None:  # the request may have finished first (the send's report comes on the other worker's link)
+            g = self._awaiting_send.pop(event.request_id, None)
+            if g is None:
+                return
         sent_ns = self.clocks.to_reference(event.instance, first_sent_ns)
         if sent_ns >= 0:
             g.kv_sent_ns = sent_ns
@@ -185,15 +195,42 @@ class GatewayTracer(gh.GatewayObserver):
         KV chunk leaving (``final``, with that unknown: its hand-out of the token before)
         until the first KV chunk reached the decode worker."""
         h = g.handoff
-        if h is None or g.out_ns < 0 or g.out_instance == h.decode:
+        if h is None:
+            return
+        if g.out_instance != h.decode:
+            out_ns, out_index = g.out_ns, g.out_index
+        elif g.before is not None and g.before[2] != h.decode:
+            out_ns, out_index, _ = g.before
+        else:
+            out_ns = out_index = -1
+        if out_ns < 0:
             return  # wait for the prefill worker's token
         if g.kv_sent_ns < 0 and not final:
             return  # wait for the prefill worker's send
         g.handoff = None
-        start_ns = max(g.out_ns, g.kv_sent_ns)
+        start_ns = max(out_ns, g.kv_sent_ns)
         if h.end_ns > start_ns:
-            self._rec.span(g.rid, Stage.TRANSFER_KV, start_ns, h.end_ns, g.out_index + 1, -1, h.num_bytes,
+            self._rec.span(g.rid, Stage.TRANSFER_KV, start_ns, h.end_ns, out_index + 1, -1, h.num_bytes,
                            Tier.REMOTE)
+
+    def _finish_handoff(self, key: str, g: _GReq) -> None:
+        """The request finished: its ``transfer.kv`` piece, now or, when the prefill worker's report of its
+        send is still on its way, once it comes (at most ``_MAX_AWAITING_SEND`` wait; the oldest, and any
+        left at :meth:`close`, are recorded from the prefill worker's hand-out instead)."""
+        if g.handoff is None or g.kv_sent_ns >= 0:
+            self._record_handoff(g, final=True)
+            return
+        waiting = self._awaiting_send
+        waiting[key] = g
+        while len(waiting) > _MAX_AWAITING_SEND:
+            self._record_handoff(waiting.pop(next(iter(waiting))), final=True)
+
+    def close(self) -> None:
+        """Record every ``transfer.kv`` piece still waiting for a send report (from the hand-out), stop sampling."""
+        waiting = self._awaiting_send
+        while waiting:
+            self._record_handoff(waiting.pop(next(iter(waiting))), final=True)
+        self.loop_lag.close()
 
     def _from_worker(self, instance: str, worker_ns: int) -> int:
         """A worker-clock time carried by a serving event, on this clock; -1 if unknown."""
@@ -276,6 +313,8 @@ class GatewayTracer(gh.GatewayObserver):
         relay_start = received_ns
         emitted = self._from_worker(instance, emitted_ns)
         if emitted >= 0:
+            if instance != g.out_instance and g.out_ns >= 0:
+                g.before = (g.out_ns, g.out_index, g.out_instance)
             g.out_ns, g.out_index, g.out_instance = emitted, i, instance
             if g.handoff is not None:
                 self._record_handoff(g)
@@ -323,7 +362,7 @@ class GatewayTracer(gh.GatewayObserver):
             self._relay.forget(event.request_id)
         if g is None:
             return
-        self._record_handoff(g, final=True)
+        self._finish_handoff(event.request_id, g)
         rec = self._rec
         if not g.tokenized and event.t_ns > g.received_ns:  # refused while reading or validating
             rec.span(g.rid, Stage.GATEWAY_RECEIVE, g.received_ns, event.t_ns, -1)

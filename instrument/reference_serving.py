@@ -191,7 +191,7 @@ def _attach_gateway(gateway: Any, recorder: Any, out: ServingTracers) -> None:
     out.gateway = GatewayTracer(recorder, relay=relay, clocks=clocks)
     gateway.add_observer(out.gateway)
     out.detachers.append(lambda: gateway.remove_observer(out.gateway))
-    out.detachers.append(out.gateway.loop_lag.close)
+    out.detachers.append(out.gateway.close)
     if relay is None:  # events the backend relays from its workers (KV transfer starts)
         gateway.backend.add_observer(out.gateway)
         out.detachers.append(lambda: gateway.backend.remove_observer(out.gateway))
