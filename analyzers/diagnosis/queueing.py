@@ -6,7 +6,11 @@ In order, each taking what the previous left of the wait:
    long prompt (at least ``LONG_PROMPT_FACTOR`` x the run's median prompt and
    ``LONG_PROMPT_MIN_TOKENS``), from that prompt's first prefill chunk to its last; the evidence
    names those requests, their prompt lengths and the largest step's prefill tokens (the budget).
-2. ``noisy_neighbour``: of the batch seats (a request in an engine step) of the instance's steps during
+2. ``prefix_miss``: the part of the wait during which the instance recomputed other requests' prompt tokens
+   that had been cached and evicted (their prefill spans, each by the lost tokens' share of what it
+   computed, divided among the requests prefilling in the same step; only when the store records
+   evicted prefixes): with them still cached, those prefills would have been short.
+3. ``noisy_neighbour``: of the batch seats (a request in an engine step) of the instance's steps during
    the wait, one other tenant holds the most, at least ``NEIGHBOUR_SHARE`` x an even share (1 / the run's
    tenants), with at least ``NEIGHBOUR_MIN_REQUESTS``
    requests, which arrived (from the first of them to the last) at ``NEIGHBOUR_RATE_FACTOR`` x an even
@@ -15,13 +19,13 @@ In order, each taking what the previous left of the wait:
    (its own burst, not its part of one every tenant sent): that tenant's share of the seats, of the rest
    of the wait. Without step ids on the spans, the requests in the system when the wait
    began stand for the seats, one each.
-3. ``overload``: the load analysis called the run saturated (arrivals outran service for a
+4. ``overload``: the load analysis called the run saturated (arrivals outran service for a
    sustained period): the rest of the wait, naming the pool it waited in (its instance's role; the pool
    the load analysis finds saturating when the store does not say, and that one too when it differs).
-4. ``burst``: the requests in the system when it arrived (at least ``BURST_MIN_REQUESTS`` with it)
+5. ``burst``: the requests in the system when it arrived (at least ``BURST_MIN_REQUESTS`` with it)
    arrived at ``BURST_RATE_FACTOR`` x the run's mean offered rate or faster: the rest of the wait,
    with the burst's start, size and rate.
-5. Otherwise the rest is ``unknown``.
+6. Otherwise the rest is ``unknown``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analyzers.diagnosis.causes import BURST, HEAD_OF_LINE, NOISY_NEIGHBOUR, OVERLOAD, Finding
+from analyzers.diagnosis.causes import BURST, HEAD_OF_LINE, NOISY_NEIGHBOUR, OVERLOAD, PREFIX_MISS, Finding
 from analyzers.diagnosis.run_context import RunContext
 from tokentrace.schema import col
 
@@ -65,6 +69,12 @@ def queue_findings(ctx: RunContext, rid: int, arrival: int, start: int, end: int
         rest -= hol.ms * 1e6
     if rest <= MIN_WAIT_MS * 1e6:
         return out
+    recompute = _recomputed_prefixes(ctx, rid, start, end, instance, rest, stage)
+    if recompute is not None:
+        out.append(recompute)
+        rest -= recompute.ms * 1e6
+    if rest <= MIN_WAIT_MS * 1e6:
+        return out
     ahead = ctx.ahead_of(rid, arrival)
     neighbour = _noisy_neighbour(ctx, rid, start, end, instance, rest, stage)
     if neighbour is not None:
@@ -92,6 +102,20 @@ def _head_of_line(ctx: RunContext, rid: int, start: int, end: int, instance: int
     evidence = (f"waited {held_ns / 1e6:,.1f} ms in {stage} while {which} prefill{more} held the "
                 f"{budget:,}-token step budget")
     return Finding(HEAD_OF_LINE, held_ns / 1e6, evidence, stage=stage, requests=tuple(names))
+
+
+def _recomputed_prefixes(ctx: RunContext, rid: int, start: int, end: int, instance: int, rest_ns: float,
+                         stage: str) -> Finding | None:
+    ns, who = ctx.recomputes_in(instance, start, end, rid)
+    ns = min(ns, rest_ns)
+    if ns <= MIN_WAIT_MS * 1e6:
+        return None
+    which = ", ".join(f"{ctx.key(o)}'s {n:,.0f}" for o, n in list(who.items())[:3])
+    more = f" (and {len(who) - 3} more)" if len(who) > 3 else ""
+    evidence = (f"waited {ns / 1e6:,.1f} ms in {stage} while the engine recomputed prompt tokens that had been "
+                f"cached and evicted ({which} tokens{more}): with them still cached, those prefills would have been "
+                f"short")
+    return Finding(PREFIX_MISS, ns / 1e6, evidence, stage=stage, requests=tuple(ctx.key(o) for o in who))
 
 
 def _noisy_neighbour(ctx: RunContext, rid: int, start: int, end: int, instance: int, rest_ns: float,

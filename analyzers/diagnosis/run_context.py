@@ -93,6 +93,7 @@ class RunContext:
         # the store cannot tell an evicted prefix from one never seen (older stores, engines that keep no record).
         self.evicted_prefix = {int(r): (int(t), float(n)) for r, t, n in
                                zip(lost[c.REQUEST_ID], lost["lookup_ns"], lost["evicted_tokens"])}
+        self._recomputes = self._recompute_spans(pre, req)
         seats = self.ev.seats.assign(tenant=self.ev.seats[c.REQUEST_ID].map(self.tenants).fillna(""))
         self._seats = {(int(i), int(st)): g for (i, st), g in seats.groupby([c.INSTANCE_ID, c.STEP])}
         held = self.ev.held
@@ -112,6 +113,41 @@ class RunContext:
             self._decode_step_ns[i] = float(dur.median()) if len(dur) else math.nan
             decode = g[g[c.NUM_DECODE_TOKENS] > 0][c.NUM_SEQS]
             self._median_seqs[i] = float(decode.median()) if len(decode) else math.nan
+
+    def _recompute_spans(self, pre: pd.DataFrame, req: pd.DataFrame) -> dict[int, pd.DataFrame]:
+        """Per instance, the prefill spans of requests that recomputed an evicted prefix (``evicted_prefix``, found
+        at a lookup before their first prefill), each with the share of its time that was the recompute: the lost
+        tokens' share of the prompt tokens it computed, divided among the requests prefilling in the same step."""
+        c = col
+        if not self.evicted_prefix or not len(pre):
+            return {}
+        cached = dict(zip(req[c.REQUEST_ID].astype("int64"), req[c.NUM_CACHED_TOKENS].astype("float64").fillna(0.0)))
+        first = pre.groupby(c.REQUEST_ID)[c.START_NS].min()
+        frac: dict[int, float] = {}
+        for rid, (lookup_ns, lost) in self.evicted_prefix.items():
+            computed = self.prompts.get(rid, math.nan) - cached.get(rid, 0.0)
+            if rid in first.index and lookup_ns <= int(first[rid]) and computed > 0 and lost > 0:
+                frac[rid] = min(lost, computed) / computed
+        if not frac:
+            return {}
+        per_step = pre.groupby([c.INSTANCE_ID, c.STEP])[c.REQUEST_ID].transform("size").fillna(1.0)
+        mine = pre.assign(share=pre[c.REQUEST_ID].map(frac) / per_step.reindex(pre.index).fillna(1.0))
+        mine = mine[mine["share"] > 0]
+        return {int(i): g for i, g in mine.groupby(c.INSTANCE_ID)}
+
+    def recomputes_in(self, instance: int, lo: int, hi: int, but: int) -> tuple[float, dict[int, float]]:
+        """Time inside ``[lo, hi)`` the instance spent recomputing evicted prefixes of requests other than ``but``
+        (:meth:`_recompute_spans`), ns, and those requests with the tokens each recomputed."""
+        g = self._recomputes.get(int(instance))
+        if g is None:
+            return 0.0, {}
+        g = g[g[col.REQUEST_ID] != but]
+        ov = overlap_ns(g[col.START_NS].to_numpy("int64"), g[col.END_NS].to_numpy("int64"), lo, hi)
+        if not ov.any():
+            return 0.0, {}
+        ns = float((ov * g["share"].to_numpy("float64")).sum())
+        who = g[col.REQUEST_ID].to_numpy("int64")[ov > 0]
+        return ns, {int(r): self.evicted_prefix[int(r)][1] for r in dict.fromkeys(who)}
 
     def _tokens_per_block(self) -> float:
         """Tokens a KV block holds: from cache hits (tokens / blocks), else from steps that prefilled one sequence

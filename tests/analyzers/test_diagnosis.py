@@ -380,6 +380,22 @@ def test_with_miss_evicted_events_in_the_run_a_miss_without_one_is_no_prefix_mis
     assert "prefix_miss" not in {c["cause"] for c in _causes(d, 2)}
 
 
+def test_a_wait_while_the_engine_recomputed_others_evicted_prefixes_is_a_prefix_miss(handmade):
+    h = handmade  # request 1 recomputes 36 evicted tokens of the 48 it computes: 75% of its 90 ms prefill
+    h.cache(CacheEventKind.MISS_EVICTED, Tier.DEVICE, 9, 0, rid=1, tokens=36)
+    _short(h, 1, 0, prefill=(10, 100, 1), prompt=48, cached=0)
+    _short(h, 2, 10, queue=(10, 100), prefill=(100, 110, 2), prompt=48, cached=40)
+    # on another instance, the same wait behind a prompt never seen before is no prefix miss
+    _short(h, 3, 0, prefill=(10, 100, 1), prompt=48, cached=0, inst=2)
+    _short(h, 4, 10, queue=(10, 100), prefill=(100, 110, 2), prompt=48, cached=40, inst=2)
+    d = diagnose(h.source(), targets=Targets(ttft_ms=20))
+    first = _causes(d, 2)[0]
+    assert first["cause"] == "prefix_miss" and first["ms"] == pytest.approx(67.5)  # 90 ms x 36/48
+    assert first["stage"] == "schedule.queue" and "r1's 36 tokens" in first["evidence"]
+    assert "--num-host-blocks" in first["fix"]
+    assert "prefix_miss" not in {c["cause"] for c in _causes(d, 4)}
+
+
 def test_prefill_in_the_decode_step_is_batch_interference(handmade):
     h = handmade
     h.request(1, 0, 130, prompt=10).tokens(1, [10, 130])
