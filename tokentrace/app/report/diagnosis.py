@@ -62,8 +62,10 @@ def cause_lines(diagnosis: Any, limit: int = NUM_FIRST_SCREEN_CAUSES) -> list[st
                          f"(the requests' own work, or a cause no rule knows); e.g. {r.evidence}.")
             continue
         i += 1
-        text = (f"Why #{i}: {_name(r)}, {as_float(r.share) * 100:.0f}% of the missed time, the first cause of "
-                f"{int(r.num_first)} request(s); e.g. {r.evidence}.")
+        n = int(r.num_first)
+        first = (f"the first cause of {n} request{'s' if n != 1 else ''}" if n else
+                 f"named for {int(r.num_requests)} request{'s' if int(r.num_requests) != 1 else ''}, never first")
+        text = f"Why #{i}: {_name(r)}, {as_float(r.share) * 100:.0f}% of the missed time, {first}; e.g. {r.evidence}."
         if r.fix:
             text += f" Fix: {r.fix}."
         lines.append(text)
