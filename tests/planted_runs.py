@@ -25,17 +25,17 @@ prefix_miss         4 shared 440-token prefixes in requests whose prefix was sen
                     turn, 160 device blocks (one   served fewer cached tokens than that prefix's full blocks
                     prompt's worth), a 32-token    (the server's usage, as the client received it); recomputing
                     step budget                    the prefix (14 steps) costs well over a KV handoff
-preemption          64 device blocks, 8 sequences  requests with a ``schedule.preempted`` span in the raw
-                    of 24 + 64 tokens sent at once spans table that ended after the server wrote their first
-                    (22 blocks each when done),    chunk and held that token gap past ``PREEMPTED_GAP_MS``
-                    decode steps of 3 ms or more   (the raw tokens' ``sent_ns``): a preempted request waits
-                                                   for another to finish (tens to hundreds of ms)
+preemption          110 device blocks, 10          requests with a ``schedule.preempted`` span in the raw
+                    sequences of 24 + 64 tokens    spans table that ended after the server wrote their first
+                    sent at once (22 blocks each   chunk and held that token gap past ``PREEMPTED_GAP_MS``
+                    when done), decode steps of    (the raw tokens' ``sent_ns``): a preempted request waits
+                    8 ms or more                   for another to finish (hundreds of ms)
 kv_transfer         ``--delay kv_transfer=40ms``   every request (disaggregated only)
 noisy_neighbour     tenant ``noisy`` sends 24      the quiet tenants' requests sent between the burst's first
                     requests at once, two quiet    send and the drain of the backlog it built: its last
                     tenants send steadily          request's finish or, when later, the first engine step
                                                    after it with no request waiting (client clock; raw steps)
-slow_stage          ``--delay stream_send=20ms``   every request (stage ``stream.send``)
+slow_stage          ``--delay stream_send=30ms``   every request (stage ``stream.send``)
 overload            15 req/s against one worker    requests sent while an earlier request was still running
                     of one sequence (>= 200 ms     (client clock): with one sequence at a time, they queued
                     each: 3x its capacity)
@@ -186,11 +186,11 @@ SCENARIOS: dict[str, Scenario] = {s.kind: s for s in (
              "head_of_line"),
     Scenario("prefix_miss", ("--num-device-blocks", "160", "--max-num-batched-tokens", "32"), _prefix_miss,
              "prefix_miss"),
-    Scenario("preemption", ("--num-device-blocks", "110", "--delay", "decode_step=3ms"), _preemption, "preemption"),
+    Scenario("preemption", ("--num-device-blocks", "110", "--delay", "decode_step=8ms"), _preemption, "preemption"),
     Scenario("kv_transfer", ("--delay", "kv_transfer=40ms"), _steady(4, 10, 4.0), "kv_transfer", modes=("disagg",)),
     Scenario("noisy_neighbour", ("--max-num-seqs", "4", "--delay", "decode_step=10ms"), _noisy_neighbour,
              "noisy_neighbour", tenant=NOISY_TENANT, tenants_file=True),
-    Scenario("slow_stage", ("--delay", "stream_send=20ms"), _steady(6, 10, 4.0, out_tokens=8), "slow_stage",
+    Scenario("slow_stage", ("--delay", "stream_send=30ms"), _steady(6, 10, 4.0, out_tokens=8), "slow_stage",
              stage=Stage.STREAM_SEND.label),
     Scenario("overload", ("--max-num-seqs", "1", "--delay", "decode_step=40ms"), _steady(7, 24, 15.0), "overload"),
     Scenario("none", (), _steady(8, 10, 3.0), "none"),

@@ -346,8 +346,18 @@ def _load_finding(ctx: RunContext, arrival: int, ahead: np.ndarray, rest_ns: flo
     came = (f"arrived within {span_s * 1e3:,.1f} ms at t={start_s:,.1f} s (" if span_s < AT_ONCE_S else
             f"arrived in {span_s:,.2f} s from t={start_s:,.1f} s ({rate:,.1f} req/s ")
     evidence = (f"waited {rest_ns / 1e6:,.1f} ms in {stage} behind a burst: {size} requests {came}against a mean of "
-                f"{ctx.offered_rps:,.1f} req/s)")
+                f"{ctx.offered_rps:,.1f} req/s{_mostly_one_tenant(ctx, ahead, arrival)})")
     return Finding(BURST, rest_ns / 1e6, evidence, stage=stage)
+
+
+def _mostly_one_tenant(ctx: RunContext, ahead: np.ndarray, arrival: int) -> str:
+    """"; N of them tenant T's" when one tenant of a run with several sent most of a burst, else ""."""
+    if len(ctx.tenant_rps) < 2 or not len(ahead):
+        return ""
+    tenants = pd.Series(ctx.tenants_of(ahead)).value_counts()
+    tenant, n = str(tenants.index[0]), int(tenants.iloc[0])
+    size = len(ahead) + 1
+    return f"; {n} of them tenant {tenant or '(none)'}'s" if n > size / 2 else ""
 
 
 def _arriving(n: int, window_s: float) -> str:

@@ -210,6 +210,10 @@ def test_a_noisy_tenants_burst_is_named_with_the_tenant():
     first = _causes(d, int(victims.iloc[0][col.REQUEST_ID]))[0]
     assert first["tenant"] == "noisy" and "tenant noisy's requests held 100% of the engine's batch seats" in first["evidence"]
     assert "--scheduling-policy fair" in first["fix"]
+    noisy = d.requests[d.requests[col.TENANT] == "noisy"]  # its own requests queued behind its own burst
+    last = _causes(d, int(noisy.sort_values(col.ARRIVAL_NS).iloc[-1][col.REQUEST_ID]))[0]
+    assert last["cause"] == "burst" and "10 requests arrived within 45.0 ms" in last["evidence"], last
+    assert "; 9 of them tenant noisy's" in last["evidence"], last["evidence"]  # the burst is told as noisy's
 
 
 def test_a_quiet_request_behind_the_backlog_a_noisy_burst_built_is_a_noisy_neighbours_victim():
