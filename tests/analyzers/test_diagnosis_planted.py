@@ -8,18 +8,19 @@ them (precision). A fault-free run, judged on its classes' targets, names no cau
 ``burst``; the report's first screen names the planted cause and its fix.
 
 Measured on a 2-core machine shared with other work (``benchmarks/diagnosis_accuracy.py`` and single runs, with
-and without both cores kept busy; docs/diagnosis.md "How well it does"), precision is 1.0 for every kind.
-Recall: overload, KV transfer, noisy neighbour, slow stream send, prefix miss and preemption 1.0 in every run,
-colocated and disaggregated. The planted scenarios make the planted cause the largest delay on the requests it
-hits: recomputing an evicted 440-token prefix takes 14 steps of a 32-token budget, well over a disaggregated
-request's KV handoff; a preemption victim waits for the requests that kept their KV blocks to finish (60-300
-ms), and the truth counts a preemption that held a gap past the 20 ms ITL target (``PREEMPTED_GAP_MS``); a long
-prompt holds the step budget for about 0.5 s of slept prefill cost, and the truth counts a request in flight
-beside it for the 100 ms TTFT target (``HOL_TTFT_MS``; less is unsure, in neither figure): head-of-line 1.0
-colocated, 0.97-1.0 disaggregated, 30-46 requests hit in a run, with both cores busy. Slow stage is held to
-0.8, prefix miss and preemption (5 and 12 requests hit) to 0.8, the rest to the bar. On every kind, the
-planted cause is named among the causes (at any rank) of at least ``NAMED_FLOOR`` of the requests it hit that
-missed (measured 0.8-1.0).
+and without both cores kept busy, load average up to 16; docs/diagnosis.md "How well it does"), precision is 1.0
+for every kind. Recall: overload, KV transfer, noisy neighbour, slow stream send, prefix miss and preemption 1.0
+in every run, colocated and disaggregated. The planted scenarios make the planted cause the largest delay on the
+requests it hits, whatever else runs on the machine: recomputing an evicted 440-token prefix takes 14 steps of a
+32-token budget, and the requests queued behind those recomputes wait for them (``prefix_miss`` too); a
+preemption victim waits for the requests that kept their KV blocks to finish (hundreds of ms of 8 ms decode
+steps), and the truth counts a preemption that held a gap past the 20 ms ITL target (``PREEMPTED_GAP_MS``); a
+stream send of 30 ms against a 15 ms ITL target; a long prompt holds the step budget for about 0.5 s of slept
+prefill cost, and the truth counts a request in flight beside it for the 100 ms TTFT target (``HOL_TTFT_MS``;
+less is unsure, in neither figure): head-of-line 1.0 colocated, 0.97-1.0 disaggregated, 30-46 requests hit in a
+run. Every kind is held to the bar but preemption, whose 5 hit requests would allow no loss: 0.8. On every kind,
+the planted cause is named among the causes (at any rank) of at least ``NAMED_FLOOR`` of the requests it hit
+that missed (measured 0.8-1.0).
 """
 
 from __future__ import annotations
@@ -47,10 +48,8 @@ TARGETS = {
     "slow_stage": Targets(itl_ms=15),
     "overload": Targets(ttft_ms=200),
 }
-RECALL_FLOOR = {  # measured at or above the bar, held lower for a busy machine (module doc)
-    ("slow_stage", "colocated"): 0.8, ("slow_stage", "disagg"): 0.8,
-    ("prefix_miss", "colocated"): 0.8, ("prefix_miss", "disagg"): 0.8,  # 1.0 in every run, with both cores busy
-    ("preemption", "colocated"): 0.8, ("preemption", "disagg"): 0.8,  # 1.0 in every run: 5 requests hit, one may be lost
+RECALL_FLOOR = {  # 1.0 in every run measured, with both cores busy; 5 requests hit, so the bar would allow no loss
+    ("preemption", "colocated"): 0.8, ("preemption", "disagg"): 0.8,
 }
 NAMED_FLOOR = 0.8  # of the requests the fault hit that missed, those given the planted cause at any rank
 CASES = [(kind, mode) for kind, s in SCENARIOS.items() if kind != "none" for mode in s.modes]
@@ -94,7 +93,9 @@ def test_a_fault_free_run_names_no_cause_but_the_load(planted_run, mode):
 
 
 @pytest.mark.parametrize(("kind", "mode"), [("overload", "colocated"), ("kv_transfer", "disagg"),
-                                            ("slow_stage", "disagg"), ("noisy_neighbour", "colocated")])
+                                            ("slow_stage", "disagg"), ("noisy_neighbour", "colocated"),
+                                            ("head_of_line", "colocated"), ("prefix_miss", "disagg"),
+                                            ("preemption", "colocated")])
 def test_the_reports_first_screen_names_the_planted_cause_and_its_fix(planted_run, tmp_path, kind, mode):
     run = planted_run(kind, mode)
     copy = tmp_path / run.run
