@@ -29,7 +29,7 @@ preemption          110 device blocks, 10          requests with a ``schedule.pr
                     sequences of 24 + 64 tokens    spans table that ended after the server wrote their first
                     sent at once (22 blocks each   chunk and held that token gap past ``PREEMPTED_GAP_MS``
                     when done), decode steps of    (the raw tokens' ``sent_ns``): a preempted request waits
-                    8 ms or more                   for another to finish (hundreds of ms)
+                    3 ms or more                   for another to finish (tens to hundreds of ms)
 kv_transfer         ``--delay kv_transfer=40ms``   every request (disaggregated only)
 noisy_neighbour     tenant ``noisy`` sends 24      the quiet tenants' requests sent between the burst's first
                     requests at once, two quiet    send and the drain of the backlog it built: its last
@@ -75,7 +75,7 @@ KINDS = ("head_of_line", "prefix_miss", "preemption", "kv_transfer", "noisy_neig
 BLOCK_SIZE = 4
 QUIET_TENANTS = ("quiet-a", "quiet-b")
 NOISY_TENANT = "noisy"
-PREEMPTED_GAP_MS = 20.0  # preemption: the ITL target it is judged on; a gap it held past this is a hit
+PREEMPTED_GAP_MS = 40.0  # preemption: the ITL target it is judged on; a gap it held past this is a hit
 HOL_TTFT_MS = 100.0  # head-of-line: the TTFT target it is judged on; in flight beside a long prefill this long: a hit
 TENANTS_TOML = "".join(f'[tenants.{name}]\napi_keys = ["sk-{name}"]\n\n' for name in (*QUIET_TENANTS, NOISY_TENANT))
 
@@ -186,7 +186,7 @@ SCENARIOS: dict[str, Scenario] = {s.kind: s for s in (
              "head_of_line"),
     Scenario("prefix_miss", ("--num-device-blocks", "160", "--max-num-batched-tokens", "32"), _prefix_miss,
              "prefix_miss"),
-    Scenario("preemption", ("--num-device-blocks", "110", "--delay", "decode_step=8ms"), _preemption, "preemption"),
+    Scenario("preemption", ("--num-device-blocks", "110", "--delay", "decode_step=3ms"), _preemption, "preemption"),
     Scenario("kv_transfer", ("--delay", "kv_transfer=40ms"), _steady(4, 10, 4.0), "kv_transfer", modes=("disagg",)),
     Scenario("noisy_neighbour", ("--max-num-seqs", "4", "--delay", "decode_step=10ms"), _noisy_neighbour,
              "noisy_neighbour", tenant=NOISY_TENANT, tenants_file=True),
