@@ -49,8 +49,12 @@ the decode worker)`` with the bytes, from the relayed ``KVTransferEnd`` ("send",
 decode worker's wait before it read the chunk; only this process knows both
 workers' clocks. The prefill worker records the time before its first chunk
 left, the decode worker the rest of the move (:mod:`instrument.reference_cluster`).
-When the sender never reports its first chunk, the piece starts at its hand-out
-of token k-1 instead (recorded when the request ends).
+The sender reports its send only once the receiver acknowledged the last chunk, on
+its own link, so the report may come after the decode worker's tokens or after the
+request finished: the piece waits for it (a finished request, among at most
+``_MAX_AWAITING_SEND``). When the sender never reports its first chunk, the piece
+starts at its hand-out of token k-1 instead (recorded when the tracer closes, or
+when the oldest waiting request makes room).
 
 A non-streamed answer gets one request-level ``stream.send`` span (token index
 -1) for its body write. The ``requests`` row (gateway view: arrival = headers
