@@ -35,6 +35,10 @@ the step time of its decode steps of at most 4 sequences predicted by a fit on i
 form (and an absolute least-squares line), which the machine's change of speed between runs does not enter;
 and, for a prediction whose replayed batches leave the batch sizes base-a covered, its stated range and note.
 
+The SLO sweep's drift-corrected curve uses, for a rate run with too few like steps, its decode steps' median
+measured / modelled time (base-a's model) over base-a's own; the measured break's noise: the break with each
+other base run in place of base-a at 1x.
+
 Last line: ``whatif_median_error=<median of every raw prediction's error over the six latency metrics>``
 (the drift-corrected median is the line before it).
 
