@@ -35,6 +35,10 @@ the step time of its decode steps of at most 4 sequences predicted by a fit on i
 form (and an absolute least-squares line), which the machine's change of speed between runs does not enter;
 and, for a prediction whose replayed batches leave the batch sizes base-a covered, its stated range and note.
 
+The SLO sweep's drift-corrected curve uses, for a rate run with too few like steps, its decode steps' median
+measured / modelled time (base-a's model) over base-a's own; the measured break's noise: the break with each
+other base run in place of base-a at 1x.
+
 Last line: ``whatif_median_error=<median of every raw prediction's error over the six latency metrics>``
 (the drift-corrected median is the line before it).
 
@@ -144,6 +148,18 @@ def slowdown(run: dict[int, tuple[float, int]], base: dict[int, tuple[float, int
     if sum(min(run[n][1], base[n][1]) for n in common) < MIN_LIKE_STEPS:
         return math.nan
     return float(np.median([run[n][0] / base[n][0] for n in common]))
+
+
+def model_slowdown(run: StepRows, base: StepRows, model: StepTimeModel) -> float:
+    """Median measured / modelled time of a run's decode-only steps over base-a's own (``model``: fitted on base-a):
+    the machine's change of speed where too few like steps measure it; the model's error on batch sizes base-a
+    did not run enters it, so it serves only the sweep's rate runs, whose batches are like base-a's."""
+    def median_ratio(s: StepRows) -> float:
+        sel = s.num_prefill_tokens == 0
+        pred = model.features(s.num_prefill_tokens[sel], s.num_decode_tokens[sel], s.num_seqs[sel],
+                              s.decode_context[sel]) @ np.asarray(model.coefficients)
+        return float(np.median(s.duration_ns[sel] / pred)) if sel.any() else math.nan
+    return median_ratio(run) / median_ratio(base)
 
 
 def like_steps(run: dict[int, tuple[float, int]], base: dict[int, tuple[float, int]]) -> int:
@@ -363,13 +379,25 @@ def main() -> None:
         measured_sweep = {s: real[n]["slo.all.attainment"] for s, n in runs_of.items()}
         sweep = model.sweep("rate_scale", list(SWEEP))
         predicted_sweep = {v: p.metrics["slo.all.attainment"] for v, p in zip(sweep.values, sweep.predictions)}
-        corrected_sweep = {s: model.predict({"rate_scale": s, "step_time_scale": speed[n]}, ranges=False)
-                           .metrics["slo.all.attainment"] if math.isfinite(speed[n]) else math.nan
-                           for s, n in runs_of.items()}
+        sweep_speed = {s: speed[n] if math.isfinite(speed[n]) else model_slowdown(steps[n], steps["base-a"], m0)
+                       for s, n in runs_of.items()}
+        print("sweep runs' slowdown (like steps; in brackets, where too few: decode steps against base-a's model): "
+              + ", ".join(f"{s}x {sweep_speed[s]:.2f}" if math.isfinite(speed[n]) else f"{s}x ({sweep_speed[s]:.2f})"
+                          for s, n in runs_of.items()))
+        corrected_sweep = {s: model.predict({"rate_scale": s, "step_time_scale": sweep_speed[s]}, ranges=False)
+                           .metrics["slo.all.attainment"] if math.isfinite(sweep_speed[s]) else math.nan
+                           for s in runs_of}
         print("slo.all.attainment by rate scale, predicted / drift-corrected / measured: " + ", ".join(
             f"{s}x {100 * predicted_sweep[s]:.0f}% / {100 * corrected_sweep[s]:.0f}% / {100 * measured_sweep[s]:.0f}%"
             for s in SWEEP))
         hm = crossing(list(SWEEP), [measured_sweep[s] for s in SWEEP], TARGET_SHARE)
+        others = {n: crossing(list(SWEEP), [real[n]["slo.all.attainment"] if s == 1.0 else measured_sweep[s]
+                                            for s in SWEEP], TARGET_SHARE)
+                  for n in configs if n.startswith("base-") and n != "base-a"}
+        print("noise of the measured break: with each other base run as the 1x point (its attainment against base-a's "
+              "targets), the SLO breaks at " + ", ".join(
+                  f"{n} ({100 * real[n]['slo.all.attainment']:.0f}%) {'none in range' if v is None else f'{v:.2f}'}"
+                  for n, v in others.items()))
         for what, curve in (("predicted", predicted_sweep), ("drift-corrected", corrected_sweep)):
             hp = crossing(list(SWEEP), [curve[s] for s in SWEEP], TARGET_SHARE)
             gap = rel(hp, hm) if hp is not None and hm is not None else math.nan

@@ -14,7 +14,13 @@
 
 KV blocks: a request holds ``ceil(tokens it has computed / block_size)`` device blocks (prefix blocks it
 shares with another request are counted for each: the pool is a bound, the cache's own sharing saves
-blocks the simulator does not). Without chunked prefill a prompt runs whole or waits.
+blocks the simulator does not). Without chunked prefill a prompt runs whole or waits. As in the reference
+block manager, a request that leaves the engine or is preempted frees its blocks tail first, and those full
+of computed tokens stay cached until a later allocation evicts them (plain free blocks are taken first,
+then the least recently freed cached one): a request preempted by recompute finds the leading blocks of its
+own that are still cached when it is admitted again, and recomputes only the rest (the reference engine's
+prefix cache does this; recomputing the whole sequence put hundreds of extra prefill tokens into the one
+step that readmitted it, and its time on every request decoding in that step).
 
 Plain Python over small state: no clock, no I/O. A step is planned by :meth:`SimEngine.plan` and completed
 by :meth:`SimEngine.complete` at its end time, which samples one token for every chunk that reaches the
@@ -24,6 +30,7 @@ end of its sequence.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 __all__ = ["SimRequest", "SimStep", "SimEngine", "POLICIES"]
@@ -95,6 +102,8 @@ class SimEngine:
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.num_used_blocks = 0
+        self.cached: OrderedDict[tuple[int, int], None] = OrderedDict()  # free blocks still holding computed
+        # tokens, (request seq_no, block index), least recently freed first: counted in free_blocks
         self.service: dict[str, float] = {}  # policy "fair": tokens scheduled per tenant
         self.num_preemptions = 0
 
@@ -118,7 +127,7 @@ class SimEngine:
         req.num_computed = req.num_tokens - 1
         req.prefill_end = req.num_computed
         req.num_blocks = need
-        self.num_used_blocks += need
+        self._take_blocks(need)
         self.running.append(req)
         return True
 
@@ -146,6 +155,28 @@ class SimEngine:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    def _take_blocks(self, num: int) -> None:
+        """Allocate ``num`` free blocks (the caller checked :attr:`free_blocks`): plain free ones first, then
+        cached ones, the least recently freed first (evicting what they held)."""
+        for _ in range(num - (self.free_blocks - len(self.cached))):
+            self.cached.popitem(last=False)
+        self.num_used_blocks += num
+
+    def _free_blocks(self, r: SimRequest) -> None:
+        """Free every block ``r`` holds, tail first; those full of computed tokens stay cached (evictable)."""
+        for i in reversed(range(min(r.num_computed // self.block_size, r.num_blocks))):
+            self.cached[(r.seq_no, i)] = None
+        self.num_used_blocks -= r.num_blocks
+        r.num_blocks = 0
+
+    def _own_cached_blocks(self, r: SimRequest) -> int:
+        """Leading blocks of ``r``'s own (from before a preemption) still cached, at most those of all but its last
+        token (whose logits give the next token)."""
+        num = 0
+        while num < (r.num_tokens - 1) // self.block_size and (r.seq_no, num) in self.cached:
+            num += 1
+        return num
 
     # ------------------------------------------------------------------ planning
 
@@ -185,8 +216,9 @@ class SimEngine:
         for r in sorted(self.waiting, key=self._key):
             if len(chunks) >= self.max_num_seqs or budget == 0:
                 break
+            own = self._own_cached_blocks(r) if r.num_preemptions else 0
             cached = min(r.num_cached_tokens, r.num_prompt_tokens - 1)
-            cached -= cached % self.block_size  # the prefix cache matches whole blocks
+            cached = max(cached - cached % self.block_size, own * self.block_size)  # whole blocks match
             n = self._chunk(r.num_tokens - cached, budget)
             if n == 0:
                 break
@@ -194,10 +226,13 @@ class SimEngine:
             if need > self.free_blocks:
                 break
             self.waiting.remove(r)
+            for i in range(own):  # its own cached blocks are in use again, not evicted by the rest
+                del self.cached[(r.seq_no, i)]
+            self.num_used_blocks += own
+            self._take_blocks(need - own)
             r.num_computed = cached
             r.prefill_end = r.num_tokens
             r.num_blocks = need
-            self.num_used_blocks += need
             self.running.append(r)
             budget -= self._take(chunks, scheduled, r, n, allocated=True)
         return budget
@@ -210,7 +245,7 @@ class SimEngine:
     def _take(self, chunks: list, scheduled: set[int], r: SimRequest, n: int, *, allocated: bool = False) -> int:
         if not allocated:
             need = self._blocks_for(r.num_computed + n) - r.num_blocks
-            self.num_used_blocks += need
+            self._take_blocks(need)
             r.num_blocks += need
         samples = r.num_computed + n == r.num_tokens
         chunks.append((r, n, samples))
@@ -221,8 +256,7 @@ class SimEngine:
 
     def _preempt(self, r: SimRequest) -> None:
         self.running.remove(r)
-        self.num_used_blocks -= r.num_blocks
-        r.num_blocks = 0
+        self._free_blocks(r)
         r.num_computed = 0
         r.num_preemptions += 1
         r.prefill_end = r.num_tokens
@@ -250,5 +284,4 @@ class SimEngine:
         """The request leaves the engine (finished, or handed to a decode engine): its blocks are freed."""
         if r in self.running:
             self.running.remove(r)
-        self.num_used_blocks -= r.num_blocks
-        r.num_blocks = 0
+        self._free_blocks(r)

@@ -23,7 +23,11 @@
   step order, and a replay keeps its current ratio for the next step with that probability, so its slow
   periods last as long as the run's did. Where the variation is additive instead (a fixed stall, a garbage
   collection, a kernel compiled once, whatever the step's size) the replay adds a measured residual
-  (measured - modelled) instead of multiplying by a ratio: ``variation`` says which, chosen by
+  (measured - modelled) instead of multiplying by a ratio. A shared machine's speed also changes over seconds
+  (another process holds the CPU for a while, then leaves it), and which requests were decoding then decides
+  whose TPOT is long: ``timeline`` replays, at each moment of the replay, the ratio of the run's own step at
+  that moment (:attr:`StepTimeModel.ratio_start_ns`), so the run's slow periods fall on the requests they fell
+  on; drawn at random, they put the replay's per-request TPOT tail elsewhere. ``variation`` says which, chosen by
   :func:`analyzers.whatif.predict.fit_whatif` as the one that replays the run itself better. The gap from a step's end to the next
   step's start while the engine is busy (token hand-out, scheduling) is ``g0 + g_s * sequences``, fitted
   the same way on gaps shorter than the busy cut-off (``BUSY_GAP_FACTOR`` x the median gap): a longer
@@ -56,8 +60,9 @@ __all__ = ["StepTimeModel", "StageCosts", "FittedModels", "fit_models", "nonnega
            "step_features", "seq_knots", "heldout_errors", "choose_form", "VARIATIONS", "STEP_FORMS", "NUM_RESAMPLES",
            "NUM_FOLDS", "FORM_MARGIN", "MIN_KIND_STEPS"]
 
-VARIATIONS = ("ratio", "residual")
-"""How a replay varies each step's modelled duration: multiply by a measured ratio, or add a measured residual."""
+VARIATIONS = ("ratio", "residual", "timeline")
+"""How a replay varies each step's modelled duration: multiply by a measured ratio drawn at random, add a measured
+residual, or multiply by the ratio of the run's own step at the same time of the run (its slow periods in place)."""
 STEP_FORMS = ("linear", "log", "piecewise")
 """Step-time model forms: linear in tokens, sequences and context, plus (``log``) a term in ln(sequences) or
 (``piecewise``) slopes that fall at knots over the batch sizes the run covered (:func:`step_features`)."""
@@ -170,7 +175,7 @@ class StepTimeModel:
     gaps: tuple[float, ...] = ()  # measured busy gaps (ns); empty: the fitted gap alone
     persistence: float = 0.0  # lag-1 autocorrelation of the log ratios, in [0, 0.95]
     residuals: tuple[float, ...] = ()  # measured - modelled duration of each fitted step (ns)
-    variation: str = "ratio"  # how a replay varies a step: "ratio" (multiply) or "residual" (add)
+    variation: str = "ratio"  # how a replay varies a step: one of VARIATIONS
     seqs_low: float = 0.0  # 5th percentile of the fitted steps' sequences
     seqs_high: float = math.inf  # 95th percentile
     alternatives: tuple[tuple[float, ...], ...] = ()  # :attr:`coefficients` refitted on resampled steps
@@ -181,6 +186,7 @@ class StepTimeModel:
     other_fits: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()  # (form, knots, coefficients)
     ratio_prefill: tuple[bool, ...] = ()  # per ratio: its step carried prefill tokens (empty: not known)
     residual_prefill: tuple[bool, ...] = ()  # per residual: likewise
+    ratio_start_ns: tuple[float, ...] = ()  # per ratio: when its step started (reference clock); empty: not known
 
     def variation_pools(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """The measured ratios (sorted) and residuals a replay draws from, each as (steps without prefill tokens,
@@ -289,7 +295,8 @@ class StepTimeModel:
                    int(mask.sum()), mape, ratios, tuple(float(g) for g in gaps[busy]), persistence,
                    tuple(float(r) for r in y - pred), "ratio", lo, hi, _resampled_fits(x, y), form,
                    tuple(float(v) for v in c[5:]), knots if form == "piecewise" else (),
-                   tuple(heldout.items()), others, ratio_prefill, tuple(bool(v) for v in p > 0))
+                   tuple(heldout.items()), others, ratio_prefill, tuple(bool(v) for v in p > 0),
+                   () if steps.start_ns is None else tuple(float(v) for v in steps.start_ns[mask][good]))
 
 
 def seq_knots(num_seqs: np.ndarray) -> tuple[float, ...]:

@@ -106,8 +106,15 @@ def simulate(deployment: Deployment, arrivals: list[Arrival], *, seed: int | Non
     """Replay ``arrivals`` through ``deployment``; one outcome per arrival, in the same order.
 
     ``seed``: each step's duration is its model's mean times one of the model's measured ratios of steps of its
-    kind (with or without prefill tokens; a slow period, kept with the model's persistence, is kept as a
-    quantile, so it slows both kinds alike), and each busy gap one of its measured gaps, drawn with this seed; ``None``: the means alone (no variation). ``record``: called with every step when it ends."""
+    kind (with or without prefill tokens), and each busy gap one of its measured gaps, drawn with this seed;
+    ``None``: the means alone (no variation). Which ratio (the model's ``variation``): ``ratio``, drawn at random
+    and kept for the next step with the model's persistence (as a quantile, so a slow period slows both kinds
+    alike); ``residual``, a measured residual added instead; ``timeline``, the ratio of the run's own step that
+    started nearest the same moment (as a quantile among its kind's; the run's time from its start again past
+    its end), so that the run's slow and fast periods fall where they fell. Nearest start, not the step in
+    progress: a step that was long by its own variation covers more of the run's time, and taking the one in
+    progress picked it more often (the replay of one run 2-5% over each request's TPOT). ``record``: called
+    with every step when it ends."""
     sim = _Cluster(deployment, None if seed is None else np.random.default_rng(seed))
     sim.record = record
     return sim.run(arrivals)
@@ -130,6 +137,7 @@ class _Cluster:
         self.num_steps = [0] * len(self.engines)
         self.rank = [0.0] * len(self.engines)  # each engine's current step-time ratio, as a quantile (kept while persistent)
         self.pools = [e.model.variation_pools() for e in self.setups]
+        self.timelines = [_timeline(e.model) for e in self.setups]
         self.record: Callable[[StepRecord], None] | None = None
         self.events: list[tuple[int, int, int, int, object]] = []
         self.n = 0
@@ -197,6 +205,12 @@ class _Cluster:
         (ratios, residuals), kind = self.pools[i], int(step.num_prefill_tokens > 0)
         if self.rng is not None and model.variation == "residual" and residuals[kind].size:
             dur = max(dur + residuals[kind][int(self.rng.integers(residuals[kind].size))], 0.05 * dur)
+        elif self.rng is not None and model.variation == "timeline" and self.timelines[i] is not None:
+            starts, ranks, t_first, span = self.timelines[i]
+            at = t_first + (t - t_first) % span if t >= t_first else t_first  # past the run's end: from its start
+            j = int(np.searchsorted(starts, at))  # the run's step that started nearest this moment
+            q = ranks[j - 1 if j == starts.size or (j > 0 and at - starts[j - 1] < starts[j] - at) else j]
+            dur *= ratios[kind][min(int(q * ratios[kind].size), ratios[kind].size - 1)]
         elif self.rng is not None and ratios[kind].size:
             if self.num_steps[i] == 0 or self.rng.random() >= model.persistence:
                 self.rank[i] = self.rng.random()
@@ -246,3 +260,21 @@ class _Cluster:
         for e in emits[k + 1:num_output]:
             out.append(max(int(e + s.delivery_ns), out[-1]))
         return out
+
+
+def _timeline(model: StepTimeModel) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+    """The fitted run's step starts (sorted, reference clock, ns), each step's ratio as a quantile among the ratios
+    of the steps of its kind, the first start and the span of the starts; None when the model does not know when
+    its steps ran."""
+    num = len(model.ratios)
+    if not num or len(model.ratio_start_ns) != num or len(model.ratio_prefill) != num:
+        return None
+    starts = np.asarray(model.ratio_start_ns, dtype=float)
+    ratios = np.asarray(model.ratios, dtype=float)
+    kinds = np.asarray(model.ratio_prefill, dtype=bool)
+    ranks = np.empty(num)
+    for want in (False, True):
+        sel = np.flatnonzero(kinds == want)
+        ranks[sel] = (np.argsort(np.argsort(ratios[sel], kind="stable"), kind="stable") + 0.5) / max(sel.size, 1)
+    order = np.argsort(starts, kind="stable")
+    return starts[order], ranks[order], float(starts[order[0]]), max(float(starts.max() - starts.min()), 1.0)

@@ -76,6 +76,7 @@ class StepRows:
     num_seqs: np.ndarray
     decode_context: np.ndarray  # summed context (prompt + tokens so far) of the step's decode tokens
     busy_after: np.ndarray  # bool: work was left after the step (waiting, or running requests that did not finish)
+    start_ns: np.ndarray | None = None  # float64, when the step started (reference clock); None: not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +157,7 @@ def _steps(src: Source) -> StepRows:
         done AS (SELECT {c.INSTANCE_ID}, step_done AS {c.STEP}, COUNT(*) AS finished FROM last
                  GROUP BY {c.INSTANCE_ID}, step_done)
         SELECT s.{c.INSTANCE_ID} AS iid, COALESCE(i.{c.ROLE}, {int(Role.COLOCATED)}) AS role,
-               s.{c.END_NS} - s.{c.START_NS} AS dur,
+               s.{c.START_NS} AS start, s.{c.END_NS} - s.{c.START_NS} AS dur,
                LEAD(s.{c.START_NS}) OVER (PARTITION BY s.{c.INSTANCE_ID} ORDER BY s.{c.STEP}) - s.{c.END_NS} AS gap,
                s.{c.NUM_PREFILL_TOKENS} AS p, s.{c.NUM_DECODE_TOKENS} AS d, s.{c.NUM_SEQS} AS n,
                COALESCE(ctx.context, 0) AS context,
@@ -168,7 +169,8 @@ def _steps(src: Source) -> StepRows:
         ORDER BY s.{c.INSTANCE_ID}, s.{c.STEP}""")
     return StepRows(df["iid"].to_numpy("int64"), df["role"].to_numpy("int64"), df["dur"].to_numpy(float),
                     df["gap"].to_numpy(float), df["p"].to_numpy(float), df["d"].to_numpy(float),
-                    df["n"].to_numpy(float), df["context"].to_numpy(float), df["busy"].to_numpy(bool))
+                    df["n"].to_numpy(float), df["context"].to_numpy(float), df["busy"].to_numpy(bool),
+                    df["start"].to_numpy(float))
 
 
 def _requests(src: Source, engine_ids: set[int]) -> list[TracedRequest]:

@@ -79,6 +79,38 @@ def test_a_request_that_needs_a_block_preempts_the_latest_arrival_by_recompute()
     assert b.num_tokens == 8 and b.num_generated == 1
 
 
+def test_a_request_preempted_by_recompute_finds_its_own_blocks_still_cached_when_readmitted():
+    eng = _engine(num_device_blocks=6)
+    a, b = _req(1, 8, 4, arrival=1), _req(2, 12, 10, arrival=2)
+    eng.add(a)
+    eng.add(b)
+    assert _run_step(eng, 1) == [(1, 8, True), (2, 12, True)]  # 2 + 3 blocks
+    assert _run_step(eng, 2) == [(1, 1, True)]  # a takes the last free block; b's 4th block preempts b
+    assert b.num_preemptions == 1 and eng.num_used_blocks == 3 and len(eng.cached) == 3  # b's 3 full blocks
+    assert _run_step(eng, 3) == [(1, 1, True)]  # b needs 4 blocks (13 tokens), 3 are free
+    assert _run_step(eng, 4) == [(1, 1, True)]  # a's 4th token: a finishes
+    # b's 12 computed tokens are still cached (3 blocks): only its sampled token is computed again
+    assert _run_step(eng, 5) == [(2, 1, True)]
+    assert b.num_blocks == 4 and eng.num_used_blocks == 4
+
+
+def test_blocks_are_taken_plain_first_then_cached_ones_tail_first_and_a_readmission_finds_the_head_left():
+    eng = _engine(num_device_blocks=6)
+    a, b = _req(1, 8, 3, arrival=1), _req(2, 12, 10, arrival=2)
+    eng.add(a)
+    eng.add(b)
+    _run_step(eng, 1)
+    _run_step(eng, 2)  # b preempted: its blocks 2, 1, 0 cached in that order (tail first)
+    assert list(eng.cached) == [(2, 2), (2, 1), (2, 0)]
+    eng.add(_req(3, 1, 1, arrival=0))  # ahead of b in FCFS order; no plain block is free
+    assert _run_step(eng, 3) == [(1, 1, True), (3, 1, True)]  # its block evicts b's tail; b (4 blocks) waits
+    assert (2, 2) not in eng.cached and b in eng.waiting
+    # a finished (its 2 full blocks cached after b's), request 3 left a plain block: b finds its 2 head blocks
+    assert list(eng.cached) == [(2, 1), (2, 0), (1, 1), (1, 0)]
+    assert _run_step(eng, 4) == [(2, 5, True)]  # 13 tokens, 8 of them cached
+    assert list(eng.cached) == [(1, 1), (1, 0)]  # plain blocks taken first: a's stay cached
+
+
 def test_nothing_is_admitted_in_a_step_that_preempted():
     eng = _engine(num_device_blocks=4)
     eng.add(_req(1, 8, 10, arrival=1))

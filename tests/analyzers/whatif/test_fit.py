@@ -14,6 +14,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from analyzers.latency import latency
+from analyzers.slo import SloTargets
 from analyzers.whatif import fit_whatif
 from analyzers.whatif.models import FittedModels, StageCosts, StepTimeModel, nonnegative_lstsq
 from analyzers.whatif.simulate import Arrival, Deployment, EngineSetup, StepRecord, simulate
@@ -203,3 +205,30 @@ def test_the_simulator_reproduces_a_run_of_an_engine_whose_step_time_bends_with_
     assert set(doc["model"]["step_time"]["colocated"]["heldout_error"]) == set(heldout)
     assert any("Step-time form log, chosen by its error on held-out steps" in line
                for line in whatif_lines(w, w.predict({}), "run"))
+
+
+def test_a_slow_period_of_the_run_is_replayed_where_it_was_so_each_request_keeps_its_own_tpot(handmade):
+    """The machine slows steps 3x for a stretch of the run (another process holding the CPU) and the requests
+    decoding then have the longest TPOT. Replayed with the run's own speed at the same time (variation
+    ``timeline``), the fit reproduces each request's TPOT and the share within a target at the run's own TPOT
+    p90; drawn at random, the slow steps land on other requests' tokens and the tail is another."""
+    arrivals = _workload(60, rate=25.0, seed=8)
+    t0 = arrivals[0].arrival_ns
+    starts = [t0 + k * 5 * MS for k in range(600)]  # a step every 5 ms of the run's time, 3x slow over 0.8-1.6 s
+    ratios = tuple(3.0 if 800 * MS <= s - t0 < 1600 * MS else 1.0 for s in starts)
+    slowed = replace(_MODEL, ratios=ratios, ratio_prefill=(False,) * len(ratios), ratio_start_ns=tuple(starts),
+                     variation="timeline")
+    engine = EngineSetup(Role.COLOCATED, 8, 64, 4, 1024, "fcfs", True, slowed)
+    h, steps = _served_run(handmade, engine, arrivals, seed=0)
+    src = h.source()
+    lat = latency(src).set_index("metric")
+    targets = {"*": SloTargets(float(lat.loc["ttft", "p90_ms"]), float(lat.loc["tpot", "p90_ms"]))}
+    w = fit_whatif(src, targets=targets)
+    assert w.models.all_steps.variation == "timeline"
+    for name in ("tpot.p50", "tpot.p99", "ttft.p99", "e2e.p99"):
+        assert abs(w.fit_error[name]) < 0.05, (name, w.measured[name], w.fitted[name])
+    assert w.fitted["slo.all.attainment"] == pytest.approx(w.measured["slo.all.attainment"], abs=0.04)
+    assert whatif_json(w, w.predict({}))["model"]["step_time"]["colocated"]["variation"] == "timeline"
+    assert any("as the run's did at the same moment of the run" in line for line in whatif_lines(w, w.predict({}), "run"))
+    shuffled = replace(w, models=w.models.with_variation("ratio")).predict({}).metrics
+    assert abs(shuffled["slo.all.attainment"] - w.measured["slo.all.attainment"]) > 0.04

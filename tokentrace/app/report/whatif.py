@@ -104,6 +104,7 @@ def fit_lines(model: Any, run_id: str) -> list[str]:
         lines.append(f"Step-time form {m.form}, chosen by its error on held-out steps (blocks of consecutive steps "
                      "each predicted by a fit on the others): " + ", ".join(
                          f"{form} {100 * err:.1f}%" for form, err in m.heldout) + ".")
+    lines.append(_VARIATION_TEXT.get(m.variation, f"Step time varies around the model as the run's did ({m.variation})."))
     err = model.fit_error
     worst = _worst(err)
     replay = "; ".join(f"{k} {metric_text(k, model.measured.get(k, math.nan))} measured, "
@@ -114,6 +115,15 @@ def fit_lines(model: Any, run_id: str) -> list[str]:
                  f"{'n/a' if not math.isfinite(worst) else f'{100 * worst:.0f}%'}.")
     lines.extend(f"Note: {n}." for n in model.notes)
     return lines
+
+
+_VARIATION_TEXT = {
+    "ratio": "Step time varies around the model by the run's own measured ratios, drawn at random with the run's "
+             "persistence from step to step.",
+    "residual": "Step time varies around the model by the run's own measured residuals, drawn at random.",
+    "timeline": "Step time varies around the model as the run's did at the same moment of the run (its slow and "
+                "fast periods where they were): a prediction is for the machine as it ran this run.",
+}
 
 
 def whatif_lines(model: Any, prediction: Any, run_id: str) -> list[str]:
@@ -142,6 +152,7 @@ def _model_json(model: Any) -> dict[str, Any]:
     steps = {role.label: {"intercept_ms": s.intercept_ns / 1e6, "per_prefill_token_ms": s.per_prefill_token_ns / 1e6,
                           "per_decode_token_ms": s.per_decode_token_ns / 1e6, "per_seq_ms": s.per_seq_ns / 1e6,
                           "per_context_token_ms": s.per_context_token_ns / 1e6, "form": s.form,
+                          "variation": s.variation,
                           "form_ms": [v / 1e6 for v in s.concave_ns], "knots": list(s.knots),
                           "heldout_error": dict(s.heldout), "seqs_covered": [s.seqs_low, s.seqs_high],
                           "busy_gap_ms": s.gap_ns / 1e6, "num_steps": s.num_steps, "mape": s.mape}
