@@ -90,7 +90,8 @@ def request_story(request: pd.Series | dict, causes: pd.DataFrame) -> str:
         elif key == "tpot":
             missed.append(f"TPOT {_ms(r['tpot_ms'])} against {_ms(r['tpot_target_ms'])}")
         elif key == "itl":
-            missed.append(f"ITL in {int(as_float(r['num_gaps_missed']))} token gap(s), the longest "
+            gaps = int(as_float(r['num_gaps_missed']))
+            missed.append(f"ITL in {gaps} token gap{'s' if gaps != 1 else ''}, the longest "
                           f"{_ms(r['max_gap_ms'])} against {_ms(r['itl_target_ms'])}")
         elif key == "e2e":
             missed.append(f"E2E {_ms(r['e2e_ms'])} against {_ms(r['e2e_target_ms'])}")
@@ -110,7 +111,10 @@ def request_story(request: pd.Series | dict, causes: pd.DataFrame) -> str:
         if c.fix:
             text += f" Fix: {c.fix}."
     if minor:
-        names = ", ".join(f"{_name(c)} {_ms(c.ms)}" for c in minor)
+        sums: dict[str, float] = {}
+        for c in minor:  # one figure per cause as the story names it (a cause can come from several stages)
+            sums[_name(c)] = sums.get(_name(c), 0.0) + as_float(c.ms)
+        names = ", ".join(f"{name} {_ms(ms) if ms >= 0.05 else 'under 0.1 ms'}" for name, ms in sums.items())
         text += f" Also, each under {MIN_STORY_SHARE:.0%} of the excess: {names}."
     return text
 

@@ -85,7 +85,8 @@ def _overview(diagnosis) -> str:
     lines = [slo_verdict(diagnosis), *cause_lines(diagnosis)]
     if diagnosis.num_missed:
         worst = diagnosis.requests.head(NUM_STORIES)
-        lines += ["", f"The {len(worst)} request(s) furthest over target:", "", _story(worst, diagnosis.causes)]
+        lines += ["", (f"The {len(worst)} requests furthest over target:" if len(worst) != 1 else
+                          "The request furthest over target:"), "", _story(worst, diagnosis.causes)]
     return "\n".join(lines)
 
 
