@@ -27,17 +27,19 @@ pending tick follows the loop's own work instead of a fixed clock:
   ``period_ns - defer_window_ns`` (the callers' gate, :attr:`~LoopLagSampler.poke_from_ns`),
   and by the first poke after a tick ran. While the loop works, the tick does not run.
 * The period follows the loop's rhythm: each move sets it to 5/4 of the time since the
-  previous one (the gap between the loop's activities; ``period_ns`` when that is at most
-  ``period_ns``), or to 7/8 of what it was if that is longer, at most ``max_period_ns``.
+  previous one (the gap between the loop's activities), or to 7/8 of what it was if that
+  is longer, at most ``max_period_ns``; to ``period_ns`` when the gap is no longer.
   The tick is due a little after the loop's next expected activity, which moves it again:
   a loop that waits for the engine's next step is not woken, however long the step.
-* A tick that runs on time woke a waiting loop: the next is twice as far off (up to
-  ``max_period_ns``), so a stretch with no activity (a long prefill, a stalled engine)
-  costs a few ticks. A tick that runs late is recorded; if other callbacks wait too
-  (a backlog), the period goes back to ``period_ns`` while it lasts. The period grows only
-  once the sampler has been poked: a loop whose activity it cannot see (no traced
-  callback pokes it; uvloop, which has no ready queue to look at) is sampled every
-  ``period_ns``, as before.
+* A tick that runs (late ones are recorded) found no activity of the loop's own for a
+  period. If no other callback waits, the loop was waiting (or a block just ended; on a
+  loaded machine most such wake-ups run late): the next tick is twice as far off, up to
+  ``max_period_ns``, so a stretch with no activity (a long prefill, a stalled engine)
+  costs a few ticks. If others wait (a backlog), the period goes back to ``period_ns``
+  while it lasts. The period grows only on a sampler that is poked or paused with the
+  server (``is_idle``), both the mark of a tracer that follows its requests' work: a
+  loop whose activity the sampler cannot see (uvloop, with no ready queue to look at,
+  or a sampler nothing pokes) is sampled every ``period_ns``, as before.
 
 The rows keep their meaning: each is a stretch during which a callback due on the loop
 (the tick) waited. A tick is never moved while it is due or overdue, nor while other
@@ -168,10 +170,10 @@ class LoopLagSampler:
             if ran - due >= self._min_lag_ns:  # a late loop (or one slow to wake): record it
                 self.num_late += 1
                 self._rec.loop_lag(due, ran)
-                if self._ready:  # other callbacks wait too: a backlog, sampled at the base period while it lasts
-                    self.period_ns = self._base_ns
-            elif self.num_deferred:  # on time, and a loop that pokes did not for a period: this tick woke it
-                self.period_ns = min(2 * self.period_ns, self._max_ns)
+            if self._ready:  # other callbacks wait too: a backlog, sampled at the base period while it lasts
+                self.period_ns = self._base_ns
+            elif self.num_deferred or self._is_idle is not None:  # no activity of its own for a period:
+                self.period_ns = min(2 * self.period_ns, self._max_ns)  # the loop was waiting (or a block ended)
             if self._is_idle is not None and self._is_idle():  # no request in flight: wait for the next
                 self._paused, self._handle, self.poke_from_ns = True, None, _NEVER
                 return
@@ -189,8 +191,10 @@ class LoopLagSampler:
                 or time.monotonic_ns() >= self._due_mono_ns):  # (the caller's time may be a little old)
             return
         gap, self._active_mono_ns = t_ns - self._active_mono_ns, t_ns  # since the loop's last activity
-        rhythm = gap + gap // 4 if gap > self._base_ns else self._base_ns  # working at least once a period: base
-        self.period_ns = min(self._max_ns, max(rhythm, self.period_ns - self.period_ns // 8))
+        if gap <= self._base_ns:  # working at least once a period: sample it at the base period
+            self.period_ns = self._base_ns
+        else:  # a little after the next activity, the longest recent gap fading slowly (steps vary)
+            self.period_ns = min(self._max_ns, max(gap + gap // 4, self.period_ns - self.period_ns // 8))
         handle = self._handle
         try:
             if handle is not None:
