@@ -15,9 +15,11 @@ CPU per token for that reason alone, apart from the tracer's own work. Each arm'
 event loop, the engine loop, the recorder's threads): the tracer's cost in the loop and the engine
 shows apart from the client's and the model's noise. Each arm's event-loop wake-ups per output token are
 printed too (voluntary context switches of the loop's thread: a count, which the load of a shared machine
-barely moves): with the ``small`` preset a decode step takes longer than the loop-lag sampler's 10 ms
-period, so its ticks wake a loop that would otherwise wait for the next step, and each wake-up costs the
-loop a whole iteration (tens of microseconds of CPU on a quiet machine, over 100 on a loaded one).
+barely moves): each wake-up costs the loop a whole iteration (tens of microseconds of CPU on a quiet
+machine, over 100 on a loaded one). With the ``small`` preset a decode step takes longer than the loop-lag
+sampler's 10 ms base period; its tick follows the loop's own writes and their rhythm
+(``instrument.loop_lag``), so it should not wake a loop that waits for the next step: traced wake-ups
+per token near the bare figure say it does not.
 
 With ``--features``, every round also runs tracing without each optional feature (the crash
 journal, the loop-lag sampler, kernel receive timestamps) and with live metrics, and the cost of
@@ -36,8 +38,8 @@ Prints one line per round, the medians per arm, the share of the process's CPU t
 recorder's background threads took in traced rounds, the flush thread (parts) and the journal
 thread (the crash journal) apart (CPU time, not wall time: it does not move with the load of a
 shared machine, so it isolates what the flush and the crash journal cost), the gateway's loop-lag
-sampler's ticks in traced rounds beside the ticks a traced write stood in for (each one a loop
-wake-up saved: ``instrument.loop_lag``), the machine, and last::
+sampler's ticks in traced rounds beside the times a traced write moved the pending tick on (the loop
+was working: no tick ran, ``instrument.loop_lag``), the machine, and last::
 
     instrumented_vs_bare_throughput=<median over rounds of traced tokens/s / bare tokens/s>
 
@@ -425,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     if ticks["ticks"] or ticks["deferred"]:
         print(f"loop-lag sampler in traced rounds: {ticks['ticks']} ticks ({ticks['late']} late; "
               f"{ticks['ticks'] / max(traced_tokens, 1):.2f} per output token), "
-              f"{ticks['deferred']} more stood in for by a traced write on a loop with nothing waiting")
+              f"the pending tick moved on {ticks['deferred']} times by a traced write on a loop with nothing waiting")
     device = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, load average "
           f"{os.getloadavg()[0]:.1f}, {device}, python {platform.python_version()}, torch {torch.__version__}, "

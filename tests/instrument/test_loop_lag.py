@@ -175,3 +175,68 @@ def test_an_idle_server_is_not_sampled_until_its_next_request():
     assert idle_ticks == 1
     assert busy_ticks >= 2
     rec.close()
+
+
+def _stream_tokens(sampler: LoopLagSampler, gap_s: float, until: float, *, block_at: float = 0.0,
+                   block_s: float = 0.0):
+    """A request in flight whose tokens are written every ``gap_s`` (each write pokes the sampler, as a
+    traced write does); when ``block_at`` has passed, one callback holds the loop for ``block_s``."""
+
+    async def stream() -> None:
+        blocked = not block_s
+        while time.monotonic() < until:
+            await asyncio.sleep(gap_s)
+            t = time.monotonic_ns()
+            if t >= sampler.poke_from_ns:
+                sampler.poke(t)
+            if not blocked and time.monotonic() >= block_at:
+                blocked = True
+                await asyncio.sleep(gap_s / 4)  # after the write, between two tokens
+                time.sleep(block_s)
+
+    return stream()
+
+
+def test_a_loop_idle_between_tokens_is_not_woken_by_ticks():
+    """Tokens 40 ms apart (four periods) for 0.8 s: the loop waits between them. A tick at a fixed
+    10 ms period runs 50 to 65 times here, each waking the waiting loop; the tick follows the writes
+    and its period their rhythm, so it runs a few times while it learns it (4 to 15, the more the
+    busier the machine: a late wake-up sets the period back)."""
+    rec = BufferedRecorder(InMemorySink(), instance_id=1, flush_interval_s=60)
+    sampler = LoopLagSampler(rec, period_ns=10 * MS, is_idle=lambda: False)
+
+    async def main() -> None:
+        sampler.ensure_running()
+        await _stream_tokens(sampler, 0.04, time.monotonic() + 0.8)
+        sampler.close()
+
+    asyncio.run(main())
+    rec.close()
+    assert sampler.num_deferred >= 10, repr(sampler)  # the writes moved the tick
+    assert sampler.num_ticks <= 20, repr(sampler)
+
+
+def test_a_blocking_callback_between_slow_tokens_is_still_recorded():
+    """The same stream, and after 0.5 s a callback that holds the loop for 150 ms: the tick pending
+    (due at most the longest period after the last write) runs late and is recorded, inside the block."""
+    sink = InMemorySink()
+    rec = BufferedRecorder(sink, instance_id=5, flush_interval_s=60)
+    sampler = LoopLagSampler(rec, period_ns=10 * MS, max_period_ns=80 * MS, is_idle=lambda: False)
+    block: list[int] = []
+
+    async def main() -> None:
+        sampler.ensure_running()
+        start = time.monotonic()
+        block.append(rec.clock())
+        await _stream_tokens(sampler, 0.04, start + 1.0, block_at=start + 0.5, block_s=0.15)
+        block.append(rec.clock())
+        sampler.close()
+
+    asyncio.run(main())
+    rec.flush()
+    rows = sink.table(LOOP_LAGS.name).to_pylist()
+    rec.close()
+    assert rows, repr(sampler)
+    longest = max(rows, key=lambda r: r[col.END_NS] - r[col.START_NS])
+    assert longest[col.END_NS] - longest[col.START_NS] >= 150 * MS - 80 * MS  # the block, less one longest period
+    assert block[0] <= longest[col.START_NS] < longest[col.END_NS] <= block[1]
