@@ -79,7 +79,8 @@ PREEMPTED_GAP_MS = 40.0  # preemption: the ITL target it is judged on; a gap it 
 HOL_TTFT_MS = 100.0  # head-of-line: the TTFT target it is judged on; in flight beside a long prefill this long: a hit
 TENANTS_TOML = "".join(f'[tenants.{name}]\napi_keys = ["sk-{name}"]\n\n' for name in (*QUIET_TENANTS, NOISY_TENANT))
 
-__all__ = ["KINDS", "MODES", "HOL_TTFT_MS", "PREEMPTED_GAP_MS", "PlantedRun", "Scenario", "SCENARIOS", "build_run", "run_id_of"]
+__all__ = ["KINDS", "MODES", "HOL_TTFT_MS", "PREEMPTED_GAP_MS", "PlantedRun", "Scenario", "SCENARIOS", "build_run", "run_id_of",
+           "traced_deployment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,13 +207,18 @@ def _mode_args(mode: str) -> list[str]:
 
 
 @contextmanager
-def traced_deployment(store: Path, run: str, server_args: list[str]) -> Iterator[str]:
-    """``tokentrace run -- python -m reference_server ...`` on a free loopback port; yields its URL."""
+def traced_deployment(store: Path, run: str, server_args: list[str], *, env: dict[str, str] | None = None,
+                      model: str = "tiny") -> Iterator[str]:
+    """``tokentrace run -- python -m reference_server ...`` (``model``, CPU, blocks of ``BLOCK_SIZE`` tokens, then
+    ``server_args``) as a real process group on a free loopback port, ``env`` added to the environment; yields its
+    URL. Stopped with SIGTERM (forwarded by ``tokentrace run``: every process flushes its store), SIGKILL if it
+    hangs. The one traced deployment of these tests (tests/instrument/deployments.py and the end-to-end tests use
+    it too)."""
     cmd = [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(store), "--run", run,
-           "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", "tiny", "--device", "cpu",
+           "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", model, "--device", "cpu",
            "--block-size", str(BLOCK_SIZE), *server_args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **(env or {})})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         if not line.startswith("READY "):

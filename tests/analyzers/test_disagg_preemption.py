@@ -12,13 +12,10 @@ No timing is asserted.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from planted_runs import traced_deployment
 
 from analyzers.analysis import RunAnalysis
 from tokentrace.app.bench.arrivals import Arrivals
@@ -29,7 +26,6 @@ from tokentrace.app.bench.synthetic import LengthDist, SyntheticSpec
 from tokentrace.schema import Role, Stage, col
 from tokentrace.store.reader import open_run
 
-REPO = Path(__file__).resolve().parents[2]
 SERVER_ARGS = ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--max-num-seqs", "6",
                "--block-size", "4", "--num-device-blocks", "36", "--delay", "decode_step=5ms,kv_transfer=50ms"]
 # The planted 50 ms KV transfer keeps the decode worker's token-0 work (the transfer it times) going past token 0's
@@ -53,25 +49,12 @@ def run_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _make_run(store: Path) -> Path:
-    cmd = [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(store), "--run",
-           "preempting", "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", "tiny",
-           "--device", "cpu", *SERVER_ARGS]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("READY "), (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+    with traced_deployment(store, "preempting", SERVER_ARGS) as url:
         plan = build_plan(synthetic=SyntheticSpec(LengthDist("fixed", 24), LengthDist("fixed", 32)),
                           max_requests=24, arrivals=Arrivals("constant", 32.0), key_prefix="preempting")
-        result = run_bench(plan, RequestOptions(line.split()[1], model="tiny", ignore_eos=True),
+        result = run_bench(plan, RequestOptions(url, model="tiny", ignore_eos=True),
                            RunLimits(duration_s=60, drain_s=120))
         assert all(o.ok for o in result.outcomes), [o.detail for o in result.outcomes if not o.ok]
-        proc.send_signal(signal.SIGTERM)  # forwarded by tokentrace run; every process flushes its store
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     return store / "preempting"
 
 

@@ -15,8 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import struct
 import subprocess
@@ -28,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-REPO = Path(__file__).resolve().parents[2]
+from planted_runs import traced_deployment
+
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux (x86_64, aarch64): not named by Python
 SO_TIMESTAMPING = getattr(socket, "SO_TIMESTAMPING", 37)  # likewise; also the type of its control messages
 # Transmit timestamps taken before the packet scheduler and at the device, reported as software
@@ -79,22 +78,10 @@ def serve_app(app: object, *, lifespan: str = "off", timeout_s: float = 30.0) ->
 @contextmanager
 def traced_server(store: Path, run: str, args: list[str], env: dict[str, str] | None = None,
                   model: str = "tiny") -> Iterator[str]:
-    """``tokentrace run -- python -m reference_server ARGS``; yields its URL; always cleaned up."""
-    cmd = [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(store),
-           "--run", run, "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", model,
-           "--device", "cpu", "--block-size", "4", "--num-device-blocks", "512", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("READY "), (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
-        yield line.split()[1]
-        proc.send_signal(signal.SIGTERM)  # forwarded by tokentrace run to the launcher
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """``tokentrace run -- python -m reference_server ARGS`` with 512 KV blocks unless ``ARGS`` say otherwise
+    (:func:`planted_runs.traced_deployment`); yields its URL; always cleaned up."""
+    with traced_deployment(store, run, ["--num-device-blocks", "512", *args], env=env, model=model) as url:
+        yield url
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,10 @@ No timing is asserted: only what the report concludes.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from planted_runs import traced_deployment
 from typer.testing import CliRunner
 
 from tokentrace.app.bench.arrivals import Arrivals
@@ -35,37 +30,16 @@ from tokentrace.app.bench.synthetic import LengthDist, SyntheticSpec
 from tokentrace.app.cli import app, register_commands
 from tokentrace.app.report import make_report
 
-REPO = Path(__file__).resolve().parents[4]
 SERVER_ARGS = ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--max-num-seqs", "1",
                "--delay", "decode_step=50ms"]
 
 register_commands()
 
 
-@contextmanager
-def traced_deployment(store: Path, run: str) -> Iterator[str]:
-    """``tokentrace run -- python -m reference_server ...`` on a free loopback port; yields its URL."""
-    cmd = [sys.executable, "-c", "from tokentrace.app.cli import main; main()", "run", "--store", str(store), "--run", run,
-           "--", sys.executable, "-m", "reference_server", "--port", "0", "--model", "tiny", "--device", "cpu",
-           "--block-size", "4", "--num-device-blocks", "512", *SERVER_ARGS]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("READY "), (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
-        yield line.split()[1]
-        proc.send_signal(signal.SIGTERM)  # forwarded by tokentrace run; every process flushes its store
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def _drive(store: Path, run: str, *, rate_rps: float, num_requests: int) -> None:
     plan = build_plan(synthetic=SyntheticSpec(LengthDist("fixed", 24), LengthDist("fixed", 6)),
                       max_requests=num_requests, arrivals=Arrivals("constant", rate_rps), key_prefix=run)
-    with traced_deployment(store, run) as url:
+    with traced_deployment(store, run, ["--num-device-blocks", "512", *SERVER_ARGS]) as url:
         result = run_bench(plan, RequestOptions(url, model="tiny"), RunLimits(duration_s=60, drain_s=60))
     assert all(o.ok for o in result.outcomes), [o.detail for o in result.outcomes if not o.ok]
 
