@@ -264,7 +264,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(
                         got.append(line)
                     if len(got) == 3:
                         break
-                assert backend.stats().instances[0].num_blocks_used[0] > 0  # the request holds blocks now
+                # the request holds blocks now (the stats are the engine thread's snapshot: polled, as below)
+                assert wait_for(lambda: backend.stats().instances[0].num_blocks_used[0] > 0, timeout_s=5.0), (
+                    request_id, got, backend.stats().instances[0],
+                    [(e.request_id, e.outcome, e.num_output_tokens) for e in recorder.of_type(GatewayRequestFinished)])
             # leaving the block closes the connection mid-stream
     assert wait_for(lambda: _device_blocks_free(backend))
     assert wait_for(lambda: {e.request_id for e in recorder.of_type(GatewayRequestFinished)} >= set(ids))
