@@ -61,30 +61,21 @@ def queue_findings(ctx: RunContext, rid: int, arrival: int, start: int, end: int
     wait = end - start
     if wait <= MIN_WAIT_MS * 1e6:
         return []
+    rules = (  # in order, each taking what the previous left of the wait (module doc)
+        lambda rest: _head_of_line(ctx, rid, start, end, instance, stage),
+        lambda rest: _recomputed_prefixes(ctx, rid, start, end, instance, rest, stage),
+        lambda rest: _noisy_neighbour(ctx, rid, start, end, instance, rest, stage),
+        lambda rest: _load_finding(ctx, arrival, ctx.ahead_of(rid, arrival), rest, stage, instance),
+    )
     out: list[Finding] = []
-    hol = _head_of_line(ctx, rid, start, end, instance, stage)
     rest = float(wait)
-    if hol is not None:
-        out.append(hol)
-        rest -= hol.ms * 1e6
-    if rest <= MIN_WAIT_MS * 1e6:
-        return out
-    recompute = _recomputed_prefixes(ctx, rid, start, end, instance, rest, stage)
-    if recompute is not None:
-        out.append(recompute)
-        rest -= recompute.ms * 1e6
-    if rest <= MIN_WAIT_MS * 1e6:
-        return out
-    ahead = ctx.ahead_of(rid, arrival)
-    neighbour = _noisy_neighbour(ctx, rid, start, end, instance, rest, stage)
-    if neighbour is not None:
-        out.append(neighbour)
-        rest -= neighbour.ms * 1e6
-    if rest <= MIN_WAIT_MS * 1e6:
-        return out
-    load = _load_finding(ctx, arrival, ahead, rest, stage, instance)
-    if load is not None:
-        out.append(load)
+    for rule in rules:
+        if rest <= MIN_WAIT_MS * 1e6:
+            break
+        finding = rule(rest)
+        if finding is not None:
+            out.append(finding)
+            rest -= finding.ms * 1e6
     return out
 
 

@@ -131,7 +131,7 @@ class RunContext:
         if not frac:
             return {}
         per_step = pre.groupby([c.INSTANCE_ID, c.STEP])[c.REQUEST_ID].transform("size").fillna(1.0)
-        mine = pre.assign(share=pre[c.REQUEST_ID].map(frac) / per_step.reindex(pre.index).fillna(1.0))
+        mine = pre.assign(share=pre[c.REQUEST_ID].map(frac) / per_step)
         mine = mine[mine["share"] > 0]
         return {int(i): g for i, g in mine.groupby(c.INSTANCE_ID)}
 
