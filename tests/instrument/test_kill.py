@@ -206,6 +206,22 @@ def _wait_dead(pids: dict[str, int]) -> None:
         assert not _alive(pid), f"{name} outlived its SIGKILL"
 
 
+def _wait_until_serving(url: str, instance: str, timeout_s: float = 120.0) -> int:
+    """Until the gateway's /metrics shows ``instance`` has served (taken prompt tokens or KV); the time it was
+    first seen doing so (so its kill can wait until it has served for longer than the budget)."""
+    counters = ("reference_server_prefix_cache_query_tokens_total", "reference_server_kv_transfer_sent_bytes_total",
+                "reference_server_kv_transfer_received_bytes_total")
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=10) as http:
+        while time.monotonic() < deadline:
+            for line in http.get(f"{url}/metrics").text.splitlines():
+                if (line.startswith(counters) and f'instance="{instance}"' in line
+                        and float(line.rsplit(" ", 1)[1]) > 0):
+                    return time.monotonic_ns()
+            time.sleep(0.05)  # polls the gateway's counters
+    raise AssertionError(f"{instance} served nothing within {timeout_s} s")
+
+
 def _kill(pid: int) -> int:
     t = time.monotonic_ns()  # the host's monotonic clock: the same one every traced process records on
     os.kill(pid, signal.SIGKILL)
@@ -221,6 +237,10 @@ def test_killing_each_worker_kind_and_then_the_whole_deployment_loses_at_most_a_
             _wait_for_part(tmp_path / "disagg", TOKENS.name)  # parts are being written: flushes are under way
             killed: dict[str, int] = {}
             for victim in ("prefill-0", "decode-0"):
+                # A victim killed less than the budget after its first request may rightly have nothing stored
+                # (all it recorded is younger than 1 s): it serves for longer than that first.
+                serving_since = _wait_until_serving(dep.url, victim)
+                assert load.wait_for_completions(4, since_ns=serving_since + BUDGET_NS), f"stalled before {victim}"
                 killed[victim] = _kill(pids[victim])
                 # The service goes on: streams finish on the workers left (redispatched if they were on it).
                 assert load.wait_for_completions(4, since_ns=killed[victim] + 500_000_000), f"stalled after {victim}"
