@@ -63,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,7 @@ from analyzers.latency import latency  # noqa: E402
 from analyzers.slo import SloTargets  # noqa: E402
 from analyzers.source import Source  # noqa: E402
 from analyzers.whatif import fit_whatif  # noqa: E402
-from analyzers.whatif.contention import load_relation, spearman, step_load, step_ratios  # noqa: E402
+from analyzers.whatif.contention import load_relation, spearman, step_load, step_ratios, within_run_lines  # noqa: E402
 from analyzers.whatif.metrics import measured_metrics  # noqa: E402
 from analyzers.whatif.models import STEP_FORMS, StepTimeModel, nonnegative_lstsq, step_features  # noqa: E402
 from analyzers.whatif.predict import crossing  # noqa: E402
@@ -296,26 +297,19 @@ def paired(store: Path, configs: dict, real: dict[str, dict[str, float]], target
 
 def contention_check(store: Path, configs: dict, steps: dict[str, StepRows], model: StepTimeModel,
                      slow: dict[str, float]) -> None:
-    """Is the machine's change of speed the load's own contention? Within base-a: its decode steps' measured /
-    modelled time against the load then (:mod:`analyzers.whatif.contention`); across the base and rate runs: each
-    run's slowdown (``slow``) against its offered rate, its place in the session and its event loop's lag, and
-    against what base-a's own relation to the relayed tokens gives at the run's load."""
+    """Is the machine's change of speed the load's own contention? Within base-a, and across the base and rate runs:
+    each run's slowdown (``slow``) against its offered rate, place in the session, loop lag and base-a's relation."""
     loads = {}
     for n in configs:
-        src = Source.of_run(open_run(store, n))
-        try:
+        with closing(Source.of_run(open_run(store, n))) as src:
             loads[n] = step_load(src, steps[n])
-        finally:
-            src.close()
     dec = {n: steps[n].num_prefill_tokens == 0 for n in configs}
-    ratio = step_ratios(model, steps["base-a"])[dec["base-a"]]
     print("contention check, within base-a (its decode steps' measured / modelled time against the load then: rank "
           "correlation; median ratio per quartile of the load):")
-    for what in ("in_flight", "relayed_per_s", "loop_lag_share"):
-        rel_ = load_relation(ratio, getattr(loads["base-a"], what)[dec["base-a"]])
-        print(f"  {what}: Spearman {rel_.rank_correlation:+.2f}; " + ", ".join(
-            f"{lo:.3g}-{hi:.3g}: {r:.2f} ({k})" for lo, hi, r, k in rel_.quartiles))
-    slope = load_relation(ratio, loads["base-a"].relayed_per_s[dec["base-a"]]).slope
+    for line in within_run_lines(loads["base-a"], steps["base-a"], model):
+        print("  " + line)
+    slope = load_relation(step_ratios(model, steps["base-a"])[dec["base-a"]],
+                          loads["base-a"].relayed_per_s[dec["base-a"]]).slope
     base_load = float(np.median(loads["base-a"].relayed_per_s[dec["base-a"]]))
     runs = [n for n in configs if n.startswith("base-") or n.startswith("rate-")]
     scale = {n: float(n[len("rate-"):]) if n.startswith("rate-") else 1.0 for n in runs}

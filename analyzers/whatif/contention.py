@@ -31,7 +31,8 @@ from analyzers.whatif.models import StepTimeModel
 from analyzers.whatif.trace import StepRows
 from tokentrace.schema import LOOP_LAGS, col
 
-__all__ = ["StepLoad", "LoadRelation", "step_load", "step_ratios", "load_relation", "spearman", "WINDOW_NS"]
+__all__ = ["StepLoad", "LoadRelation", "step_load", "step_ratios", "load_relation", "spearman", "within_run_lines",
+           "WINDOW_NS"]
 
 WINDOW_NS = 1_000_000_000
 """Length of the window around each step's midpoint over which relayed tokens are counted (1 s)."""
@@ -112,3 +113,23 @@ def load_relation(ratio: np.ndarray, load: np.ndarray) -> LoadRelation:
                       for q in np.array_split(order, 4) if q.size)
     slope = float(np.polyfit(x, np.log(r), 1)[0]) if np.ptp(x) > 0 else float("nan")
     return LoadRelation(spearman(r, x), quartiles, slope)
+
+
+def within_run_lines(load: StepLoad, steps: StepRows, model: StepTimeModel) -> list[str]:
+    """The check within one run, in words: its decode-only steps' measured / modelled time (``model``) against
+    each load measure (rank correlation, median ratio per quartile of the load); how many streams were open beyond
+    the engine's running sequences (a stream the gateway relays while its request is not in the engine's batch);
+    and whether the event loop's lag itself went with the load."""
+    dec = steps.num_prefill_tokens == 0
+    ratio = step_ratios(model, steps)[dec]
+    out = []
+    for what in ("in_flight", "relayed_per_s", "loop_lag_share"):
+        r = load_relation(ratio, getattr(load, what)[dec])
+        out.append(f"{what}: Spearman {r.rank_correlation:+.2f}; " + ", ".join(
+            f"{lo:.3g}-{hi:.3g}: {m:.2f} ({k})" for lo, hi, m, k in r.quartiles))
+    outside = load.in_flight - steps.num_seqs
+    out.append(f"streams in flight beyond the engine's running sequences: median {np.median(outside):g}, most "
+               f"{outside.max(initial=0):g}; loop-lag share against the load, Spearman: in_flight "
+               f"{spearman(load.loop_lag_share, load.in_flight):+.2f}, relayed_per_s "
+               f"{spearman(load.loop_lag_share, load.relayed_per_s):+.2f}")
+    return out
