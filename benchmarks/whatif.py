@@ -37,7 +37,10 @@ and, for a prediction whose replayed batches leave the batch sizes base-a covere
 
 The SLO sweep's drift-corrected curve uses, for a rate run with too few like steps, its decode steps' median
 measured / modelled time (base-a's model) over base-a's own; the measured break's noise: the break with each
-other base run in place of base-a at 1x.
+other base run in place of base-a at 1x. The contention check: within base-a, its decode steps' measured / modelled
+time against the load the process carried then (streams in flight, tokens relayed per second, event-loop lag;
+``analyzers.whatif.contention``), and across the base and rate runs, their slowdown against the offered rate, their
+place in the session and what base-a's own relation gives at their load.
 
 Last line: ``whatif_median_error=<median of every raw prediction's error over the six latency metrics>``
 (the drift-corrected median is the line before it).
@@ -60,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +75,7 @@ from analyzers.latency import latency  # noqa: E402
 from analyzers.slo import SloTargets  # noqa: E402
 from analyzers.source import Source  # noqa: E402
 from analyzers.whatif import fit_whatif  # noqa: E402
+from analyzers.whatif.contention import load_relation, spearman, step_load, step_ratios, within_run_lines  # noqa: E402
 from analyzers.whatif.metrics import measured_metrics  # noqa: E402
 from analyzers.whatif.models import STEP_FORMS, StepTimeModel, nonnegative_lstsq, step_features  # noqa: E402
 from analyzers.whatif.predict import crossing  # noqa: E402
@@ -290,6 +295,38 @@ def paired(store: Path, configs: dict, real: dict[str, dict[str, float]], target
     return tally
 
 
+def contention_check(store: Path, configs: dict, steps: dict[str, StepRows], model: StepTimeModel,
+                     slow: dict[str, float]) -> None:
+    """Is the machine's change of speed the load's own contention? Within base-a, and across the base and rate runs:
+    each run's slowdown (``slow``) against its offered rate, place in the session, loop lag and base-a's relation."""
+    loads = {}
+    for n in configs:
+        with closing(Source.of_run(open_run(store, n))) as src:
+            loads[n] = step_load(src, steps[n])
+    dec = {n: steps[n].num_prefill_tokens == 0 for n in configs}
+    print("contention check, within base-a (its decode steps' measured / modelled time against the load then: rank "
+          "correlation; median ratio per quartile of the load):")
+    for line in within_run_lines(loads["base-a"], steps["base-a"], model):
+        print("  " + line)
+    slope = load_relation(step_ratios(model, steps["base-a"])[dec["base-a"]],
+                          loads["base-a"].relayed_per_s[dec["base-a"]]).slope
+    base_load = float(np.median(loads["base-a"].relayed_per_s[dec["base-a"]]))
+    runs = [n for n in configs if n.startswith("base-") or n.startswith("rate-")]
+    scale = {n: float(n[len("rate-"):]) if n.startswith("rate-") else 1.0 for n in runs}
+    lag = {n: float(np.median(loads[n].loop_lag_share[dec[n]])) for n in runs}
+    print("  across runs (session order): slowdown measured / given by base-a's relation at the run's median relayed "
+          "tokens per s; loop-lag share: " + ", ".join(
+              f"{n} {slow[n]:.2f}/{math.exp(slope * (np.median(loads[n].relayed_per_s[dec[n]]) - base_load)):.2f} "
+              f"{lag[n]:.2f}" for n in runs))
+    order = {n: i for i, n in enumerate(configs)}
+    x = [slow[n] for n in runs]
+    print(f"  slowdown's rank correlation over these {len(runs)} runs: with the offered rate "
+          f"{spearman(x, [scale[n] for n in runs]):+.2f}, with the place in the session "
+          f"{spearman(x, [order[n] for n in runs]):+.2f}, with the loop-lag share {spearman(x, [lag[n] for n in runs]):+.2f}; "
+          f"runs of the base configuration (the same load): {min(slow[n] for n in runs if scale[n] == 1.0):.2f}-"
+          f"{max(slow[n] for n in runs if scale[n] == 1.0):.2f}")
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if math.isfinite(a) and math.isfinite(b) and b else math.nan
 
@@ -405,6 +442,8 @@ def main() -> None:
                   f"{what} {'none in range' if hp is None else f'{hp:.2f}'}, measured "
                   f"{'none in range' if hm is None else f'{hm:.2f}'}; error {100 * gap:.0f}% (bar 15%)")
         print(tally.summary("done-when bar (rate 0.5x/1.5x, max_num_seqs, max_num_batched_tokens)"))
+        contention_check(store, configs, steps, m0, {n: speed[n] if math.isfinite(speed[n]) else
+                                                      model_slowdown(steps[n], steps["base-a"], m0) for n in configs})
         src.close()
         if args.paired:
             paired(store, configs, real, targets, like)
