@@ -248,34 +248,40 @@ def slow_served(tenants_file: Path) -> Iterator[tuple[ServerThread, LocalBackend
     yield from _serve(tenants_file, DelayConfig.parse("decode_step=25ms"))
 
 
-@pytest.mark.serial  # in two full parallel runs the second request was aborted as soon as it had read three chunks
 def test_disconnect_mid_stream_aborts_and_frees_blocks(
         slow_served: tuple[ServerThread, LocalBackend, RecordingGatewayObserver]) -> None:
     server, backend, recorder = slow_served
     ids = [f"leave-{i}" for i in range(4)]
+
+    def finished() -> dict[str, GatewayRequestFinished]:
+        return {e.request_id: e for e in recorder.of_type(GatewayRequestFinished)}
+
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for request_id in ids:
             body = {"model": "tiny", "prompt": "a long story " * 4, "max_tokens": 400, "stream": True,
                     "ignore_eos": True, "temperature": 0}
             headers = {"Authorization": "Bearer sk-edu", "X-Request-Id": request_id}
             with http.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+                # One iterator, kept until the block ends: leaving a ``for`` loop over ``resp.iter_lines()``
+                # closes that generator, and httpcore closes the response (and so the connection) with it.
+                lines = resp.iter_lines()
                 got: list[str] = []
-                for line in resp.iter_lines():
+                while len(got) < 3:
+                    line = next(lines)
                     if line.startswith("data: "):
                         got.append(line)
-                    if len(got) == 3:
-                        break
-                # the request holds blocks now (the stats are the engine thread's snapshot: polled, as below)
+                # the stream is open: the request holds blocks (the stats are the engine thread's snapshot:
+                # polled, as below) and the gateway has not ended it
                 assert wait_for(lambda: backend.stats().instances[0].num_blocks_used[0] > 0, timeout_s=5.0), (
-                    request_id, got, backend.stats().instances[0],
-                    [(e.request_id, e.outcome, e.num_output_tokens) for e in recorder.of_type(GatewayRequestFinished)])
-            # leaving the block closes the connection mid-stream
-    assert wait_for(lambda: _device_blocks_free(backend))
-    assert wait_for(lambda: {e.request_id for e in recorder.of_type(GatewayRequestFinished)} >= set(ids))
-    finished = {e.request_id: e for e in recorder.of_type(GatewayRequestFinished)}
+                    request_id, got, backend.stats().instances[0])
+                assert request_id not in finished(), (request_id, got, finished()[request_id])
+            # leaving the block closes the response, and with it the connection, mid-stream: the gateway
+            # aborts the request and the engine frees its blocks (so the next request's blocks are its own)
+            assert wait_for(lambda: request_id in finished() and _device_blocks_free(backend)), (
+                request_id, backend.stats().instances[0], finished())
     for request_id in ids:
-        assert finished[request_id].outcome == "aborted"
-        assert 3 <= finished[request_id].num_output_tokens < 400
+        assert finished()[request_id].outcome == "aborted"
+        assert 3 <= finished()[request_id].num_output_tokens < 400
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer() -> None:
