@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 __all__ = ["OVERLOAD", "BURST", "HEAD_OF_LINE", "PREFIX_MISS", "PREEMPTION", "KV_TRANSFER", "BATCH_INTERFERENCE",
            "NOISY_NEIGHBOUR", "SLOW_STAGE", "EVENT_LOOP_LAG", "SPECULATION", "OUTSIDE_SERVER", "LONG_PREFILL",
-           "COSCHEDULED_PREFILL", "UNKNOWN", "CAUSES", "FIXES", "Finding"]
+           "COSCHEDULED_PREFILL", "ENGINE_STALL", "UNKNOWN", "CAUSES", "FIXES", "Finding"]
 
 OVERLOAD = "overload"
 BURST = "burst"
@@ -29,11 +29,12 @@ SPECULATION = "speculation"
 OUTSIDE_SERVER = "outside_server"
 LONG_PREFILL = "long_prefill"
 COSCHEDULED_PREFILL = "coscheduled_prefill"
+ENGINE_STALL = "engine_stall"
 UNKNOWN = "unknown"
 
 CAUSES: tuple[str, ...] = (OVERLOAD, BURST, HEAD_OF_LINE, PREFIX_MISS, PREEMPTION, KV_TRANSFER, BATCH_INTERFERENCE,
                            NOISY_NEIGHBOUR, SLOW_STAGE, EVENT_LOOP_LAG, SPECULATION, OUTSIDE_SERVER, LONG_PREFILL,
-                           COSCHEDULED_PREFILL, UNKNOWN)
+                           COSCHEDULED_PREFILL, ENGINE_STALL, UNKNOWN)
 """Every cause name, in the order docs/diagnosis.md documents them."""
 
 FIXES: dict[str, str] = {
@@ -62,6 +63,9 @@ FIXES: dict[str, str] = {
     COSCHEDULED_PREFILL: "a smaller batched-token budget (--max-num-batched-tokens with chunked prefill) so a step "
                          "computes fewer other prompts' tokens ahead of a request's first token, or long prompts kept "
                          "apart from short ones (a prefill pool of their own, or a priority for short prompts)",
+    ENGINE_STALL: "give the engine's process the CPU it needs: fewer processes per core, no CPU quota that throttles "
+                  "it (a container's cpu limit), dedicated cores; or find what blocks its thread between steps (a "
+                  "garbage-collection pause, a synchronous call)",
     UNKNOWN: "",
 }
 """The setting that changes each cause ('' where none does)."""

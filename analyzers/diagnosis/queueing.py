@@ -2,6 +2,10 @@
 
 In order, each taking what the previous left of the wait:
 
+0. ``engine_stall``: the part of the wait during which its instance ran no engine step at all, counting only
+   stretches without one of at least ``STALL_MS`` and ``STALL_STEPS`` x the instance's median step (a waiting
+   request is work: an engine that runs no step for that long was not scheduled on a CPU, throttled, paused or
+   blocked between steps; nobody else's work held the request).
 1. ``head_of_line``: the part of the wait during which the instance was prefilling another request's
    long prompt (at least ``LONG_PROMPT_FACTOR`` x the run's median prompt and
    ``LONG_PROMPT_MIN_TOKENS``), from that prompt's first prefill chunk to its last; the evidence
@@ -37,12 +41,21 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analyzers.diagnosis.causes import BURST, HEAD_OF_LINE, NOISY_NEIGHBOUR, OVERLOAD, PREFIX_MISS, Finding
+from analyzers.diagnosis.causes import (
+    BURST,
+    ENGINE_STALL,
+    HEAD_OF_LINE,
+    NOISY_NEIGHBOUR,
+    OVERLOAD,
+    PREFIX_MISS,
+    Finding,
+)
 from analyzers.diagnosis.run_context import RunContext
 from tokentrace.schema import col
 
 __all__ = ["queue_findings", "NEIGHBOUR_SHARE", "NEIGHBOUR_RATE_FACTOR", "NEIGHBOUR_MIN_REQUESTS", "NEIGHBOUR_OWN_FACTOR",
-           "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR", "MIN_WAIT_MS", "AT_ONCE_S", "arrival_share"]
+           "BURST_MIN_REQUESTS", "BURST_RATE_FACTOR", "MIN_WAIT_MS", "AT_ONCE_S", "STALL_MS", "STALL_STEPS",
+           "arrival_share", "stall_finding"]
 
 NEIGHBOUR_SHARE = 1.25  # one other tenant holds the most batch seats, at least 1.25x an even share (1 / tenants) ...
 NEIGHBOUR_RATE_FACTOR = 2.0  # ... and arrived at twice an even share of the offered rate ...
@@ -52,6 +65,8 @@ BURST_MIN_REQUESTS = 4  # a burst: at least 4 requests in the system, this one i
 BURST_RATE_FACTOR = 1.5  # ... that arrived at 1.5x the mean offered rate or faster
 MIN_WAIT_MS = 0.5  # waits shorter than this are not worth a cause
 AT_ONCE_S = 0.05  # arrivals closer together than this are told as "within N ms", not as a rate
+STALL_MS = 20.0  # an engine that runs no step for this long ...
+STALL_STEPS = 4.0  # ... and this many of its median steps, while a request waits for one, stalled
 
 
 def queue_findings(ctx: RunContext, rid: int, arrival: int, start: int, end: int, instance: int,
@@ -62,6 +77,7 @@ def queue_findings(ctx: RunContext, rid: int, arrival: int, start: int, end: int
     if wait <= MIN_WAIT_MS * 1e6:
         return []
     rules = (  # in order, each taking what the previous left of the wait (module doc)
+        lambda rest: stall_finding(ctx, start, end, instance, stage),
         lambda rest: _head_of_line(ctx, rid, start, end, instance, stage),
         lambda rest: _recomputed_prefixes(ctx, rid, start, end, instance, rest, stage),
         lambda rest: _noisy_neighbour(ctx, rid, start, end, instance, rest, stage),
@@ -311,6 +327,21 @@ def drained_after(ctx: RunContext, t_ns: float) -> float:
         if k < len(ends):
             out = max(out, float(ends[k]))
     return out
+
+
+def stall_finding(ctx: RunContext, start: int, end: int, instance: int, stage: str) -> Finding | None:
+    """``engine_stall``: the stretches of ``[start, end)`` in which ``instance`` ran no step (module doc, rule 0)."""
+    typical = ctx.step_ns(instance)
+    if not math.isfinite(typical):
+        return None
+    idle, longest = ctx.idle_in(instance, start, end, max(STALL_MS * 1e6, STALL_STEPS * typical))
+    if idle <= 0:
+        return None
+    pool = ctx.pool_of(instance)
+    evidence = (f"waited {idle / 1e6:,.1f} ms in {stage} while its {pool + ' ' if pool else ''}instance ran no "
+                f"engine step (the longest stretch {longest / 1e6:,.1f} ms; its steps take {typical / 1e6:,.1f} ms, "
+                f"median)")
+    return Finding(ENGINE_STALL, idle / 1e6, evidence, stage=stage)
 
 
 def _load_finding(ctx: RunContext, arrival: int, ahead: np.ndarray, rest_ns: float, stage: str,

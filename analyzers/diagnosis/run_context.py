@@ -259,6 +259,42 @@ class RunContext:
         parts = [self._seats[(int(instance), int(s))] for s in steps[col.STEP] if (int(instance), int(s)) in self._seats]
         return pd.concat(parts) if parts else self.ev.seats.iloc[0:0].assign(tenant="")
 
+    def step_ns(self, instance: int) -> float:
+        """Median duration of all the instance's steps, ns (NaN if none)."""
+        key = ("step_ns", int(instance))
+        if key not in self.memo:
+            g = self._steps.get(int(instance))
+            dur = (g[col.END_NS] - g[col.START_NS]).astype("float64") if g is not None else pd.Series(dtype="float64")
+            self.memo[key] = float(dur.median()) if len(dur) else math.nan
+        return self.memo[key]
+
+    def idle_in(self, instance: int, lo: int, hi: int, min_ns: float) -> tuple[int, int]:
+        """Of ``[lo, hi)``, the time the instance ran no step, counting only stretches without one of at least
+        ``min_ns``; and the longest such stretch (ns). An instance with no steps at all is not counted idle."""
+        g = self._steps.get(int(instance))
+        if g is None or not len(g) or hi <= lo:
+            return 0, 0
+        key = ("step_bounds", int(instance))
+        if key not in self.memo:
+            order = np.argsort(g[col.START_NS].to_numpy("int64"), kind="stable")
+            self.memo[key] = (g[col.START_NS].to_numpy("int64")[order], g[col.END_NS].to_numpy("int64")[order])
+        starts, ends = self.memo[key]
+        i = max(int(np.searchsorted(ends, lo, side="right")) - 1, 0)  # steps end in order: they do not overlap
+        total, longest, cur = 0, 0, lo
+        while cur < hi:
+            while i < len(starts) and ends[i] <= cur:
+                i += 1
+            nxt = min(int(starts[i]), hi) if i < len(starts) else hi
+            if nxt > cur:
+                if nxt - cur >= min_ns:
+                    total += nxt - cur
+                    longest = max(longest, nxt - cur)
+                cur = nxt
+            if i >= len(starts):
+                break
+            cur = max(cur, int(ends[i]))
+        return total, longest
+
     def decode_step_ns(self, instance: int) -> float:
         """Median duration of the instance's decode-only steps (no prefill tokens), ns (NaN if none)."""
         return self._decode_step_ns.get(int(instance), math.nan)

@@ -40,7 +40,8 @@ stages around them say, in its time to first token and in each token gap over th
   instance's steps while the request waited there (not those it sat out preempted or recomputing) spent on
   co-scheduled prefill tokens (prefill / (prefill + decode) tokens of each step), or, for a step of more
   than ``BATCH_FACTOR`` x the instance's median
-  batch, the step time beyond the instance's median decode-only step; ``slow_stage``
+  batch, the step time beyond the instance's median decode-only step; ``engine_stall`` for a step of its usual
+  batch that took at least ``STALL_MS`` and ``STALL_STEPS`` x that median, the time beyond the median; ``slow_stage``
   (decode.compute) when that median decode-only step is itself at least ``SLOW_DECODE_SHARE`` of
   the ITL target and ``SLOW_STAGE_MS``.
 * ``decode.draft`` / ``decode.verify``: ``speculation``, the draft time of rejected proposals
@@ -65,6 +66,7 @@ import pandas as pd
 from analyzers.diagnosis.causes import (
     BATCH_INTERFERENCE,
     COSCHEDULED_PREFILL,
+    ENGINE_STALL,
     EVENT_LOOP_LAG,
     HEAD_OF_LINE,
     KV_TRANSFER,
@@ -75,7 +77,7 @@ from analyzers.diagnosis.causes import (
     SPECULATION,
     Finding,
 )
-from analyzers.diagnosis.queueing import queue_findings
+from analyzers.diagnosis.queueing import STALL_MS, STALL_STEPS, queue_findings
 from analyzers.diagnosis.run_context import RunContext
 from tokentrace.schema import Stage, col
 
@@ -400,6 +402,7 @@ def _decode(ctx: RunContext, rid: int, token: int, inst: int, decode_spans: list
     steps = ctx.steps_during(inst, decode_spans)
     typical, median_seqs = ctx.decode_step_ns(inst), ctx.median_seqs(inst)
     prefill_ns, batch_ns, prefill_tokens, largest, holders = 0.0, 0.0, 0, 0, {}
+    stall_ns, slowest = 0.0, 0
     for s in steps.itertuples(index=False):
         p, d = int(getattr(s, c.NUM_PREFILL_TOKENS)), int(getattr(s, c.NUM_DECODE_TOKENS))
         ov = float(getattr(s, "overlap_ns"))
@@ -412,6 +415,10 @@ def _decode(ctx: RunContext, rid: int, token: int, inst: int, decode_spans: list
         elif math.isfinite(median_seqs) and seqs > BATCH_FACTOR * median_seqs and math.isfinite(typical):
             batch_ns += max(ov - typical, 0.0)
             largest = max(largest, seqs)
+        elif math.isfinite(typical) and (took := int(getattr(s, c.END_NS)) - int(getattr(s, c.START_NS))) >= max(
+                STALL_MS * 1e6, STALL_STEPS * typical):  # a step of its usual batch that took many times its usual time
+            stall_ns += max(ov - typical, 0.0)
+            slowest = max(slowest, took)
     out: list[Finding] = []
     if prefill_ns > 0:
         named = "".join(f", {ctx.key(o)}'s {p:,.0f}-token" for o, p in list(holders.items())[:3])
@@ -422,8 +429,13 @@ def _decode(ctx: RunContext, rid: int, token: int, inst: int, decode_spans: list
         out.append(Finding(BATCH_INTERFERENCE, batch_ns / 1e6, f"waited {batch_ns / 1e6:,.1f} ms more than a typical decode "
                            f"step before token {token}, in a batch of {largest} sequences against a median of "
                            f"{median_seqs:,.0f}", stage=Stage.DECODE_COMPUTE.label))
+    if stall_ns > 0:
+        out.append(Finding(ENGINE_STALL, stall_ns / 1e6, f"waited {stall_ns / 1e6:,.1f} ms more than a typical decode "
+                           f"step before token {token} in a step of its usual batch that took {slowest / 1e6:,.1f} ms "
+                           f"against a median of {typical / 1e6:,.1f} ms (the engine made no progress for most of it)",
+                           stage=Stage.DECODE_COMPUTE.label))
     if math.isfinite(typical) and typical >= max(SLOW_DECODE_SHARE * itl_target_ns, SLOW_STAGE_MS * 1e6):
-        rest = max(decode_ns - prefill_ns - batch_ns, 0.0)
+        rest = max(decode_ns - prefill_ns - batch_ns - stall_ns, 0.0)
         if rest > 0:
             out.append(Finding(SLOW_STAGE, rest / 1e6, f"waited for decode steps that alone take {typical / 1e6:,.1f} ms "
                                f"(median over the run), {typical / itl_target_ns * 100:,.0f}% of the ITL target",

@@ -8,11 +8,13 @@ give the load-driven causes: a sustained overload and a transient burst.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from handmade import HandMade
 from simulated import simulate
 
-from analyzers.diagnosis import FIXES, Targets, diagnose
+from analyzers.diagnosis import CAUSES, FIXES, Targets, diagnose
 from tokentrace.app.report.diagnosis import request_json, request_story
 from tokentrace.schema import CacheEventKind, Role, Stage, Tier, col
 
@@ -400,6 +402,54 @@ def test_a_wait_while_the_engine_recomputed_others_evicted_prefixes_is_a_prefix_
     assert "prefix_miss" not in {c["cause"] for c in _causes(d, 4)}
 
 
+def _steady_steps(h: HandMade, start: float, end: float, *, every: float = 2.0, first_step: int = 100,
+                  inst: int = 1) -> HandMade:
+    """Back-to-back 1.5 ms decode steps of one sequence over ``[start, end)`` (another request's), ``every`` ms."""
+    t, n = start, first_step
+    while t + 1.5 <= end:
+        h.step(n, t, t + 1.5, seqs=1, decode=1, running=1, inst=inst)
+        t, n = t + every, n + 1
+    return h
+
+
+def test_a_wait_while_the_engine_ran_no_step_is_an_engine_stall(handmade):
+    h = handmade
+    _steady_steps(h, 0, 100)  # the engine steps every 2 ms, then runs nothing from 100 ms to 400 ms
+    _steady_steps(h, 400, 500, first_step=200)
+    _short(h, 1, 90, queue=(90, 410), prefill=(410, 415, 300), tokens=[415])
+    h.step(300, 410, 415, prefill=10, seqs=1)
+    d = diagnose(h.source(), targets=Targets(ttft_ms=50))
+    first = _causes(d, 1)[0]
+    assert first["cause"] == "engine_stall" and first["stage"] == "schedule.queue", _causes(d, 1)
+    assert first["ms"] == pytest.approx(275.0)  # 300.5 ms without a step (99.5 to 400) explain all 275 over target
+    assert "ran no engine step" in first["evidence"] and "300.5 ms" in first["evidence"], first["evidence"]
+    assert first["fix"] == FIXES["engine_stall"]
+
+
+def test_a_wait_while_the_engine_stepped_for_others_is_no_engine_stall(handmade):
+    h = handmade
+    _steady_steps(h, 0, 500)  # the engine worked the whole time: the wait is for capacity, not a stall
+    _short(h, 1, 90, queue=(90, 410), prefill=(410, 415, 300), tokens=[415])
+    d = diagnose(h.source(), targets=Targets(ttft_ms=50))
+    assert "engine_stall" not in {c["cause"] for c in _causes(d, 1)}, _causes(d, 1)
+
+
+def test_a_decode_step_of_its_usual_batch_that_took_many_times_its_usual_time_is_an_engine_stall(handmade):
+    h = handmade
+    h.request(1, 0, 300, prompt=10).tokens(1, [10, 12, 14, 214, 216])
+    h.span(1, Stage.PREFILL_COMPUTE, 0, 10, 0, step=1)
+    h.step(1, 0, 10, prefill=10)
+    for i, (a, b) in enumerate([(10, 12), (12, 14), (14, 214), (214, 216)], start=1):
+        h.span(1, Stage.DECODE_COMPUTE, a, b, i, step=1 + i)
+        h.step(1 + i, a, b, seqs=1, decode=1, running=1)
+    _steady_steps(h, 300, 340, first_step=10)  # the instance's usual decode step: 1.5-2 ms
+    d = diagnose(h.source(), targets=Targets(itl_ms=20))
+    first = _causes(d, 1)[0]
+    assert first["cause"] == "engine_stall" and first["stage"] == "decode.compute", _causes(d, 1)
+    assert first["ms"] == pytest.approx(180.0)  # 200 - 1.5 ms beyond the median step, scaled to 200 - 20 over target
+    assert "took 200.0 ms" in first["evidence"], first["evidence"]
+
+
 def test_prefill_in_the_decode_step_is_batch_interference(handmade):
     h = handmade
     h.request(1, 0, 130, prompt=10).tokens(1, [10, 130])
@@ -565,3 +615,8 @@ def test_the_story_and_the_json_say_what_the_rows_say(handmade):
 def test_bad_targets_are_a_clear_error():
     with pytest.raises(ValueError, match="positive number of ms"):
         Targets(ttft_ms=-1)
+
+
+def test_every_cause_is_documented_with_its_rule():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "diagnosis.md").read_text(encoding="utf-8")
+    assert [c for c in CAUSES if f"| `{c}` |" not in doc] == []
