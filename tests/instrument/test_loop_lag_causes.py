@@ -107,7 +107,7 @@ def _checks(tmp_path: Path, src: Source, t0: int, t1: int) -> tuple[dict[str, fl
     d = diagnose(src, targets=Targets(ttft_ms=1.0))
     probes = d.causes[d.causes[col.REQUEST_KEY].str.startswith("probe-") & d.causes["cause"].isin(LOOP_CAUSES)]
     named = {cause: float(probes.loc[probes["cause"] == cause, "ms"].sum()) for cause in LOOP_CAUSES}
-    assert sum(named.values()) > 0, d.causes[["request_key", "cause", "ms", "evidence"]].to_string()
+    assert sum(named.values()) > 0, d.causes[[col.REQUEST_KEY, "cause", "ms", "evidence"]].to_string()
     shares = {k: v / sum(named.values()) for k, v in named.items()}
     print(f"{len(rows)} late rows, CPU shares of their windows {raw}; diagnosis shares of the probes' loop time {shares}")
     return raw, shares
