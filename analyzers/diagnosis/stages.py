@@ -48,9 +48,9 @@ stages around them say, in its time to first token and in each token gap over th
 * Gateway and stream stages (``gateway.*``, ``cache.lookup``, ``cache.load``, ``detokenize``,
   ``stream.relay``, ``stream.send``): a stage is slow for every request, not by queueing, when its
   median span over the whole run is at least ``SLOW_STAGE_MS`` and ``SLOW_STAGE_SHARE`` of the
-  phase's target (TTFT target in the TTFT, ITL target in a gap). ``event_loop_lag`` for the part of
-  the span during which an event loop ran late (``loop_lags``; ``gil_contention`` or ``cpu_starved``
-  for the part of it another thread or no thread of its process ran: :mod:`analyzers.diagnosis.event_loop`), past the stage's median span when the
+  phase's target (TTFT target in the TTFT, ITL target in a gap). ``event_loop_lag`` (or, by why the
+  loop ran late, ``gil_contention`` or ``cpu_starved``: :mod:`analyzers.diagnosis.event_loop`) for the part
+  of the span during which an event loop ran late (``loop_lags``), past the stage's median span when the
   stage is slow (within its usual length a late loop costs it nothing: a planted wait or a slow write
   takes that long anyway); the rest, up to the median span, is ``slow_stage`` when the stage is slow;
   a span beyond the median is this request's own outlier, not the stage's.
