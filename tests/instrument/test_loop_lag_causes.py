@@ -25,12 +25,14 @@ import pyarrow.parquet as pq
 from analyzers.diagnosis import Targets, diagnose
 from analyzers.loop_lag import loop_lag
 from analyzers.source import Source
+from instrument.loop_lag import MAX_PERIOD_NS
 from tokentrace.schema import LOOP_LAGS, col
 from tokentrace.store import open_run
 
 APP = Path(__file__).with_name("late_loop_app.py")
 MS = 1_000_000
 LOOP_CAUSES = ("event_loop_lag", "gil_contention", "cpu_starved")
+SPIN_MS = MAX_PERIOD_NS / MS + 10  # CPU the blocking callback uses: longer than the sampler's longest period
 SPINNER = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 
 
@@ -115,15 +117,16 @@ def _checks(tmp_path: Path, src: Source, t0: int, t1: int) -> tuple[dict[str, fl
 
 def test_a_cpu_bound_callback_on_the_loop_is_blocking(tmp_path):
     def plant(url: str) -> float:
-        _plant(url, "blocking", 150)
+        _plant(url, "blocking", SPIN_MS)
         return 0.1  # probes sent while it spins wait for it
 
     src, t0, t1 = _scenario(tmp_path, plant)
     raw, named = _checks(tmp_path, src, t0, t1)
-    # The spin's 150 ms of CPU ran on the loop's thread between one tick's arming and its run (the loop
-    # arms its ticks itself, so not during the spin): that row's loop CPU holds all of it.
-    longest = max(_raw_rows(tmp_path / "store" / "run", t0, t1), key=lambda r: r[col.END_NS] - r[col.START_NS])
-    assert longest[col.LOOP_CPU_NS] >= 150 * MS, longest
+    # The tick pending when the spin began was armed before it (the loop arms its ticks itself) and is due
+    # at most the longest period later, before the spin ends: it ran late after the spin, and its row's
+    # loop CPU holds all of the spin's.
+    rows = _raw_rows(tmp_path / "store" / "run", t0, t1)
+    assert max(r[col.LOOP_CPU_NS] for r in rows) >= SPIN_MS * MS, rows
     assert raw["loop"] >= 3 * raw["others"], raw
     (inst,) = loop_lag(src).instances.to_dict("records")
     assert inst["blocking_ms"] > 0 and inst["unsplit_ms"] == 0
