@@ -12,6 +12,23 @@ everything waiting on that loop waits. Two tables:
   engine, is where that time went.
 
 Intervals of one loop never overlap (a tick is scheduled when the previous one ran).
+
+Why the loop ran late (:func:`late_intervals_sql`, the one rule every reader uses). A row's tick
+knows the CPU time its loop's thread (``loop_cpu_ns``) and its whole process (``process_cpu_ns``)
+used from when it was armed until it ran, a window ``w = end_ns - armed_ns`` that holds the late
+interval ``[start_ns, end_ns)`` and at most one sampling period before it. Taking that CPU as
+spread evenly over the window, each late interval splits into three shares:
+
+* ``blocking`` = loop CPU / w: the loop's own thread was running (a long callback);
+* ``other_threads`` = (process CPU - loop CPU) / w, at most what is left: another thread of the
+  process was running, holding the GIL the loop waits for (an engine thread in the same process);
+* ``starved`` = the rest: neither ran (other processes had the host's CPUs, or the loop's thread
+  waited off the CPU: a ``time.sleep``, synchronous I/O, a lock).
+
+Each share is clipped to [0, 1] (a process's threads can use more than one CPU). Per instance, the
+late time is summed per share; the instance's ``cause`` is the share holding at least
+``MAIN_CAUSE_SHARE`` of its measured late time, else ``mixed``. Rows without the CPU columns
+(stores of schema version 5 and older) are not split: their time is ``unsplit_ms``, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +40,8 @@ import pandas as pd
 from analyzers.source import Source
 from tokentrace.schema import LOOP_LAGS, Role, Stage, col
 
-__all__ = ["LoopLag", "loop_lag"]
+__all__ = ["LoopLag", "loop_lag", "late_intervals_sql", "LATE_CAUSES", "SHARE", "CAUSE_MS", "BLOCKING",
+           "OTHER_THREADS", "STARVED", "MIXED", "UNSPLIT_MS", "MAIN_CAUSE", "MAIN_CAUSE_SHARE"]
 
 INSTANCE = "instance"
 ROLE = "role"
@@ -35,6 +53,19 @@ STAGE = "stage"
 STAGE_MS = "stage_ms"
 IN_LATE_MS = "in_late_ms"
 SHARE_IN_LATE = "share_in_late"
+BLOCKING = "blocking"
+OTHER_THREADS = "other_threads"
+STARVED = "starved"
+MIXED = "mixed"
+LATE_CAUSES: tuple[str, ...] = (BLOCKING, OTHER_THREADS, STARVED)
+"""The three reasons a loop runs late, in the order of their shares (see the module)."""
+SHARE = {cause: f"{cause}_share" for cause in LATE_CAUSES}
+"""Column of :func:`late_intervals_sql` with each cause's share of a late interval (null: not measured)."""
+CAUSE_MS = {cause: f"{cause}_ms" for cause in LATE_CAUSES}
+"""Column of :attr:`LoopLag.instances` with each cause's late time (ms)."""
+UNSPLIT_MS = "unsplit_ms"
+MAIN_CAUSE = "cause"
+MAIN_CAUSE_SHARE = 0.5  # a cause holding at least half of an instance's measured late time names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +78,42 @@ class LoopLag:
     @property
     def is_empty(self) -> bool:
         return len(self.instances) == 0
+
+
+def late_intervals_sql() -> str:
+    """SELECT of every ``loop_lags`` row: instance, start and end, and each cause's share of it
+    (:data:`SHARE` columns; null where the row has no CPU times), by the module's rule."""
+    c = col
+    measured = f"{c.ARMED_NS} IS NOT NULL AND {c.LOOP_CPU_NS} IS NOT NULL AND {c.PROCESS_CPU_NS} IS NOT NULL"
+    window = f"CAST(GREATEST({c.END_NS} - {c.ARMED_NS}, {c.END_NS} - {c.START_NS}, 1) AS DOUBLE)"
+    loop = f"LEAST(GREATEST(CAST({c.LOOP_CPU_NS} AS DOUBLE) / {window}, 0.0), 1.0)"
+    others = f"LEAST(GREATEST(CAST({c.PROCESS_CPU_NS} - {c.LOOP_CPU_NS} AS DOUBLE) / {window}, 0.0), 1.0 - {loop})"
+    blocking, other, starved = (SHARE[k] for k in LATE_CAUSES)
+    return f"""
+        SELECT {c.INSTANCE_ID}, {c.START_NS}, {c.END_NS},
+               CASE WHEN {measured} THEN {loop} END AS {blocking},
+               CASE WHEN {measured} THEN {others} END AS {other},
+               CASE WHEN {measured} THEN 1.0 - {loop} - {others} END AS {starved}
+        FROM {LOOP_LAGS.name}"""
+
+
+def _causes_per_instance(src: Source) -> pd.DataFrame:
+    """Per instance: each cause's late time and the unsplit rest (ms)."""
+    c = col
+    sums = ", ".join(f"SUM(({c.END_NS} - {c.START_NS}) * {SHARE[k]}) / 1e6 AS {CAUSE_MS[k]}" for k in LATE_CAUSES)
+    return src.df(f"""
+        SELECT {c.INSTANCE_ID}, {sums},
+               SUM(CASE WHEN {SHARE[BLOCKING]} IS NULL THEN {c.END_NS} - {c.START_NS} ELSE 0 END) / 1e6 AS {UNSPLIT_MS}
+        FROM ({late_intervals_sql()}) GROUP BY {c.INSTANCE_ID}
+    """)
+
+
+def _main_cause(row: pd.Series) -> str:
+    measured = sum(float(row[CAUSE_MS[k]]) for k in LATE_CAUSES if pd.notna(row[CAUSE_MS[k]]))
+    if not measured > 0:
+        return ""
+    top = max(LATE_CAUSES, key=lambda k: float(row[CAUSE_MS[k]]) if pd.notna(row[CAUSE_MS[k]]) else 0.0)
+    return top if float(row[CAUSE_MS[top]]) >= MAIN_CAUSE_SHARE * measured else MIXED
 
 
 def loop_lag(src: Source) -> LoopLag:
@@ -68,6 +135,9 @@ def loop_lag(src: Source) -> LoopLag:
         LEFT JOIN instances i ON i.{c.INSTANCE_ID} = l.{c.INSTANCE_ID}
         GROUP BY l.{c.INSTANCE_ID}, i.{c.NAME}, i.{c.ROLE} ORDER BY {LATE_MS} DESC
     """)
+    causes = _causes_per_instance(src)
+    inst = inst.merge(causes, on=c.INSTANCE_ID, how="left")
+    inst[MAIN_CAUSE] = [_main_cause(r) for _, r in inst.iterrows()] if len(inst) else pd.Series(dtype=str)
     if len(inst) == 0:
         empty_stages = pd.DataFrame({STAGE: pd.Series(dtype=str), STAGE_MS: pd.Series(dtype=float),
                                      IN_LATE_MS: pd.Series(dtype=float), SHARE_IN_LATE: pd.Series(dtype=float)})

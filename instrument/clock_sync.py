@@ -136,8 +136,11 @@ class SkewedRecorder(ForwardingRecorder):
     def stage_begin(self, request_id: int, stage: int, t_ns: int, token_index: int = -1) -> None:
         self.inner.stage_begin(request_id, stage, t_ns + self.skew_ns, token_index)
 
-    def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        self.inner.loop_lag(start_ns + self.skew_ns, end_ns + self.skew_ns)
+    def loop_lag(self, start_ns: int, end_ns: int, armed_ns: int = -1, loop_cpu_ns: int = -1,
+                 process_cpu_ns: int = -1) -> None:
+        k = self.skew_ns  # times move with the clock; the CPU durations do not
+        self.inner.loop_lag(start_ns + k, end_ns + k, armed_ns + k if armed_ns >= 0 else armed_ns, loop_cpu_ns,
+                            process_cpu_ns)
 
     def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
                   first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,

@@ -41,6 +41,14 @@ pending tick follows the loop's own work instead of a fixed clock:
   loop whose activity the sampler cannot see (uvloop, with no ready queue to look at,
   or a sampler nothing pokes) is sampled every ``period_ns``, as before.
 
+Why it ran late: a tick reads its thread's CPU clock (``time.thread_time_ns``) and its
+process's (``time.process_time_ns``) when it is armed and when it runs, and records both
+differences with the row (``loop_cpu_ns``, ``process_cpu_ns``, over ``[armed_ns, end_ns)``):
+the loop's own thread busy (a blocking callback), another thread of the process busy (the
+GIL held away from the loop), or neither (a host whose CPUs ran other processes).
+``analyzers.loop_lag`` splits each row's time by those shares. Two clock reads at arm
+and two at run, on a tick that is rare: the hot path is the poke's comparison, unchanged.
+
 The rows keep their meaning: each is a stretch during which a callback due on the loop
 (the tick) waited. A tick is never moved while it is due or overdue, nor while other
 callbacks wait, and a blocked loop runs no poke, so a callback that holds the loop past
@@ -122,6 +130,7 @@ class LoopLagSampler:
         self._paused = False  # the last tick found the server idle: none is pending
         self._active_mono_ns = 0  # the loop's last activity seen (a move, a start), monotonic ns
         self._due_mono_ns = 0  # when it is due, time.monotonic_ns()
+        self._armed_cpu = (0, 0)  # (thread, process) CPU time when the pending tick was armed, ns
         self.poke_from_ns = _NEVER  # no poke until a tick is pending
         self.num_ticks = 0
         self.num_late = 0
@@ -154,22 +163,25 @@ class LoopLagSampler:
         """Arm the tick a period from now; a poke may move it from ``poke_after_ns`` on (by default
         ``period_ns - defer_window_ns`` at the base period: at most one move per that time)."""
         period = self.period_ns
+        self._armed_cpu = (time.thread_time_ns(), time.process_time_ns())
         due = self._rec.clock() + period
-        self._handle = self._loop.call_later(period / 1e9, self._tick, due)
+        self._handle = self._loop.call_later(period / 1e9, self._tick, due, due - period)
         if self._ready is not None:
             now = time.monotonic_ns()
             self._due_mono_ns = now + period
             self.poke_from_ns = now + (self._move_after_ns if poke_after_ns is None else poke_after_ns)
 
-    def _tick(self, due: int) -> None:
+    def _tick(self, due: int, armed: int) -> None:
         if self._closed:
             return
         try:
             ran = self._rec.clock()
             self.num_ticks += 1
-            if ran - due >= self._min_lag_ns:  # a late loop (or one slow to wake): record it
+            if ran - due >= self._min_lag_ns:  # a late loop (or one slow to wake): record it, with who had the CPU
+                loop_cpu, process_cpu = time.thread_time_ns(), time.process_time_ns()
+                armed_loop, armed_process = self._armed_cpu
                 self.num_late += 1
-                self._rec.loop_lag(due, ran)
+                self._rec.loop_lag(due, ran, armed, loop_cpu - armed_loop, process_cpu - armed_process)
             if self._ready:  # other callbacks wait too: a backlog, sampled at the base period while it lasts
                 self.period_ns = self._base_ns
             elif self.num_deferred or self._is_idle is not None:  # no activity of its own for a period:

@@ -63,7 +63,7 @@ __all__ = [
     "column_names",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the on-disk layout; written into every Parquet file's metadata.
 
 2: stages ``gateway.accept`` and ``stream.relay``; ``requests.first_content_ns``
@@ -74,7 +74,9 @@ cache event kinds ``retain``, ``drop`` and ``carry``.
 4: table ``engine_configs`` (each engine instance's serving configuration); runs written before it have
 none, and readers see it as an empty table.
 5: cache event kind ``miss_evicted`` (a prefix lookup's blocks the cache held once and evicted); runs
-written before it have none."""
+written before it have none.
+6: ``loop_lags.armed_ns``, ``loop_lags.loop_cpu_ns`` and ``loop_lags.process_cpu_ns`` (the CPU time the loop's
+thread and its process used while the tick waited; files of version 5 and older read them as null)."""
 
 MIN_READABLE_SCHEMA_VERSION = 0
 """Oldest version readers still accept (version 0 is the pre-release layout)."""
@@ -397,6 +399,9 @@ class col:
     DRAFT_END_NS = "draft_end_ns"
     VERIFY_START_NS = "verify_start_ns"
     VERIFY_END_NS = "verify_end_ns"
+    ARMED_NS = "armed_ns"
+    LOOP_CPU_NS = "loop_cpu_ns"
+    PROCESS_CPU_NS = "process_cpu_ns"
     NUM_SPEC_SEQS = "num_spec_seqs"
     MAX_NUM_SEQS = "config_max_num_seqs"
     MAX_NUM_BATCHED_TOKENS = "config_max_num_batched_tokens"
@@ -585,6 +590,15 @@ LOOP_LAGS = Table(
         _INSTANCE_ID,
         _ns(col.START_NS, "When the tick was due."),
         _ns(col.END_NS, "When it ran."),
+        _ns(col.ARMED_NS, "When the tick was armed (at most one sampling period before it was due): where the "
+            "two CPU columns start counting; -1 = not recorded (schema version 5 and older).", nullable=True),
+        _ns(col.LOOP_CPU_NS, "CPU time of the loop's thread from armed_ns to end_ns (time.thread_time_ns "
+            "difference): near the late interval's length when a callback on the loop kept it busy; -1 = not "
+            "recorded.", nullable=True, clock="duration"),
+        _ns(col.PROCESS_CPU_NS, "CPU time of the loop's whole process, all threads, from armed_ns to end_ns "
+            "(time.process_time_ns difference): beyond loop_cpu_ns, another thread of the process ran (the GIL "
+            "held away from the loop); near zero with loop_cpu_ns, the process was not running (a starved host); "
+            "-1 = not recorded.", nullable=True, clock="duration"),
     ),
 )
 

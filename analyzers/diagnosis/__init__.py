@@ -7,7 +7,8 @@ the classes' (:func:`analyzers.slo.resolve_targets`) unless :class:`Targets` ove
 target defaults to the class's TPOT target. TTFT is the server's (as :mod:`analyzers.slo` judges it);
 with client rows, a request whose TTFT only the client saw over target (send to first chunk) missed
 too, and its excess is explained by its server-side time as any TTFT is, and by the serving event loop's
-late ticks after the first chunk was written (``event_loop_lag``) and the rest (``outside_server``).
+late ticks after the first chunk was written (``event_loop_lag``, ``gil_contention`` or ``cpu_starved`` by why
+the loop ran late: :mod:`analyzers.diagnosis.event_loop`) and the rest (``outside_server``).
 
 The *excess* is the time over target: TTFT - target, plus each gap over the ITL target beyond it
 (or, for a TPOT miss without such a gap, (TPOT - target) x (tokens - 1)); the E2E excess instead
@@ -35,7 +36,8 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from analyzers.diagnosis.causes import CAUSES, EVENT_LOOP_LAG, FIXES, OUTSIDE_SERVER, UNKNOWN, Finding
+from analyzers.diagnosis.causes import CAUSES, FIXES, OUTSIDE_SERVER, UNKNOWN, Finding
+from analyzers.diagnosis.event_loop import loop_lag_findings
 from analyzers.diagnosis.evidence import gap_tokens, gather, requests_frame
 from analyzers.diagnosis.run_context import RunContext
 from analyzers.diagnosis.stages import gap_findings, ttft_findings
@@ -228,16 +230,14 @@ def _request_causes(ctx: RunContext, r: dict, spans: pd.DataFrame, gaps: pd.Data
 
 def _outside(ctx: RunContext, r: dict) -> list[Finding]:
     """The client's TTFT beyond the server's: while the serving event loop ran late, the server's write had not
-    left it (``event_loop_lag``); the rest, past the noise floor, is ``outside_server``."""
+    left it (``event_loop_lag`` and its siblings, by why the loop ran late); the rest, past the noise floor, is ``outside_server``."""
     outside = r["client_ttft_ms"] - r["ttft_ms"]
     if not outside > 0:
         return []
     sent = int(r[col.ARRIVAL_NS] + r["ttft_ms"] * 1e6)
     lag = min(ctx.lag_overlap_ns(sent, int(sent + outside * 1e6)) / 1e6, outside)
-    out = []
-    if lag > 0:
-        out.append(Finding(EVENT_LOOP_LAG, lag, f"was held {lag:,.1f} ms by the serving event loop running late "
-                           f"after its first chunk was written, before the client received it"))
+    out = loop_lag_findings(ctx, sent, int(sent + outside * 1e6), "the serving event loop running late after its "
+                            "first chunk was written, before the client received it", limit_ms=outside)
     rest = outside - lag
     nagle = abs(outside - DELAYED_ACK_MS) <= DELAYED_ACK_BAND_MS and r["delayed_ack_share"] >= DELAYED_ACK_SHARE
     if rest >= OUTSIDE_MIN_MS and (nagle or rest >= OUTSIDE_MEDIAN_FACTOR * r["outside_median_ms"]):

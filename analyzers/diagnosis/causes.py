@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["OVERLOAD", "BURST", "HEAD_OF_LINE", "PREFIX_MISS", "PREEMPTION", "KV_TRANSFER", "BATCH_INTERFERENCE",
-           "NOISY_NEIGHBOUR", "SLOW_STAGE", "EVENT_LOOP_LAG", "SPECULATION", "OUTSIDE_SERVER", "LONG_PREFILL",
-           "COSCHEDULED_PREFILL", "ENGINE_STALL", "UNKNOWN", "CAUSES", "FIXES", "Finding"]
+           "NOISY_NEIGHBOUR", "SLOW_STAGE", "EVENT_LOOP_LAG", "GIL_CONTENTION", "CPU_STARVED", "SPECULATION",
+           "OUTSIDE_SERVER", "LONG_PREFILL", "COSCHEDULED_PREFILL", "ENGINE_STALL", "UNKNOWN", "CAUSES", "FIXES", "Finding"]
 
 OVERLOAD = "overload"
 BURST = "burst"
@@ -25,6 +25,8 @@ BATCH_INTERFERENCE = "batch_interference"
 NOISY_NEIGHBOUR = "noisy_neighbour"
 SLOW_STAGE = "slow_stage"
 EVENT_LOOP_LAG = "event_loop_lag"
+GIL_CONTENTION = "gil_contention"
+CPU_STARVED = "cpu_starved"
 SPECULATION = "speculation"
 OUTSIDE_SERVER = "outside_server"
 LONG_PREFILL = "long_prefill"
@@ -33,8 +35,8 @@ ENGINE_STALL = "engine_stall"
 UNKNOWN = "unknown"
 
 CAUSES: tuple[str, ...] = (OVERLOAD, BURST, HEAD_OF_LINE, PREFIX_MISS, PREEMPTION, KV_TRANSFER, BATCH_INTERFERENCE,
-                           NOISY_NEIGHBOUR, SLOW_STAGE, EVENT_LOOP_LAG, SPECULATION, OUTSIDE_SERVER, LONG_PREFILL,
-                           COSCHEDULED_PREFILL, ENGINE_STALL, UNKNOWN)
+                           NOISY_NEIGHBOUR, SLOW_STAGE, EVENT_LOOP_LAG, GIL_CONTENTION, CPU_STARVED, SPECULATION,
+                           OUTSIDE_SERVER, LONG_PREFILL, COSCHEDULED_PREFILL, ENGINE_STALL, UNKNOWN)
 """Every cause name, in the order docs/diagnosis.md documents them."""
 
 FIXES: dict[str, str] = {
@@ -55,6 +57,10 @@ FIXES: dict[str, str] = {
     NOISY_NEIGHBOUR: "per-tenant rate limits or quotas, or fair scheduling (--scheduling-policy fair)",
     SLOW_STAGE: "make the named stage faster: it is slow for every request, not by queueing",
     EVENT_LOOP_LAG: "move blocking work off the serving event loop (or add gateway processes)",
+    GIL_CONTENTION: "run the engine in a process of its own (disaggregated workers, or an engine worker process "
+                    "beside the gateway), or cut the engine's Python time per step",
+    CPU_STARVED: "give the serving processes CPU: fewer processes per core, a bigger machine, or CPU pinning; the "
+                 "server's code is not the cause",
     SPECULATION: "fewer speculative tokens (--num-speculative-tokens) or a speculative budget "
                  "(--speculative-budget), or a better-matched draft",
     OUTSIDE_SERVER: "look outside the server: the network, a proxy or the client itself",

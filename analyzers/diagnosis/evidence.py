@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from analyzers.loop_lag import late_intervals_sql
 from analyzers.source import Source, client_instance_ids
 from analyzers.timing import (
     COUNTED_IN,
@@ -132,7 +133,7 @@ def gather(src: Source, requests: pd.DataFrame, gaps: pd.DataFrame, missed: list
         SELECT {c.INSTANCE_ID}, {c.START_NS}, {c.NUM_BLOCKS} FROM cache_events
         WHERE {c.KIND} = {int(CacheEventKind.EVICT)} ORDER BY {c.START_NS}
     """)
-    loop_lags = src.df(f"SELECT {c.INSTANCE_ID}, {c.START_NS}, {c.END_NS} FROM loop_lags ORDER BY {c.START_NS}")
+    loop_lags = src.df(f"{late_intervals_sql()} ORDER BY {c.START_NS}")
     seats = src.df(f"""
         SELECT DISTINCT {c.REQUEST_ID}, {c.INSTANCE_ID}, {c.STEP} FROM srv_spans
         WHERE {c.STAGE} IN ({int(Stage.PREFILL_COMPUTE)}, {int(Stage.DECODE_COMPUTE)}) AND {c.STEP} IS NOT NULL

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from analyzers.diagnosis.evidence import Evidence
+from analyzers.loop_lag import BLOCKING, LATE_CAUSES, SHARE
 from analyzers.timing import LAST_TOKEN
 from tokentrace.schema import Role, Stage, col
 
@@ -315,3 +316,23 @@ class RunContext:
         if not len(lags):
             return 0
         return int(overlap_ns(lags[col.START_NS].to_numpy("int64"), lags[col.END_NS].to_numpy("int64"), lo, hi).sum())
+
+    def lag_overlap_by_cause(self, lo: int, hi: int) -> dict[str | None, float]:
+        """:meth:`lag_overlap_ns` split by why the loop ran late (``analyzers.loop_lag.LATE_CAUSES``; ``None``: rows
+        that recorded no CPU times), ns; only the causes with time."""
+        lags = self.ev.loop_lags
+        if not len(lags):
+            return {}
+        ov = overlap_ns(lags[col.START_NS].to_numpy("int64"), lags[col.END_NS].to_numpy("int64"), lo, hi)
+        hit = ov > 0
+        if not hit.any():
+            return {}
+        out: dict[str | None, float] = {}
+        unsplit = lags[SHARE[BLOCKING]].isna().to_numpy() & hit
+        if unsplit.any():
+            out[None] = float(ov[unsplit].sum())
+        for cause in LATE_CAUSES:
+            ns = float((ov * lags[SHARE[cause]].fillna(0.0).to_numpy("float64")).sum())
+            if ns > 0:
+                out[cause] = ns
+        return out

@@ -49,8 +49,9 @@ stages around them say, in its time to first token and in each token gap over th
 * Gateway and stream stages (``gateway.*``, ``cache.lookup``, ``cache.load``, ``detokenize``,
   ``stream.relay``, ``stream.send``): a stage is slow for every request, not by queueing, when its
   median span over the whole run is at least ``SLOW_STAGE_MS`` and ``SLOW_STAGE_SHARE`` of the
-  phase's target (TTFT target in the TTFT, ITL target in a gap). ``event_loop_lag`` for the part of
-  the span during which an event loop ran late (``loop_lags``), past the stage's median span when the
+  phase's target (TTFT target in the TTFT, ITL target in a gap). ``event_loop_lag`` (or, by why the
+  loop ran late, ``gil_contention`` or ``cpu_starved``: :mod:`analyzers.diagnosis.event_loop`) for the part
+  of the span during which an event loop ran late (``loop_lags``), past the stage's median span when the
   stage is slow (within its usual length a late loop costs it nothing: a planted wait or a slow write
   takes that long anyway); the rest, up to the median span, is ``slow_stage`` when the stage is slow;
   a span beyond the median is this request's own outlier, not the stage's.
@@ -67,7 +68,6 @@ from analyzers.diagnosis.causes import (
     BATCH_INTERFERENCE,
     COSCHEDULED_PREFILL,
     ENGINE_STALL,
-    EVENT_LOOP_LAG,
     HEAD_OF_LINE,
     KV_TRANSFER,
     LONG_PREFILL,
@@ -77,6 +77,7 @@ from analyzers.diagnosis.causes import (
     SPECULATION,
     Finding,
 )
+from analyzers.diagnosis.event_loop import loop_lag_findings
 from analyzers.diagnosis.queueing import STALL_MS, STALL_STEPS, queue_findings
 from analyzers.diagnosis.run_context import RunContext
 from tokentrace.schema import Stage, col
@@ -300,10 +301,10 @@ def _edge(ctx: RunContext, stage: Stage, start: int, end: int, target_ns: float)
     median = ctx.stage_median_ns.get(stage, math.nan)
     slow = math.isfinite(median) and median >= max(SLOW_STAGE_MS * 1e6, SLOW_STAGE_SHARE * target_ns)
     # A stage slow for every request takes its median span anyway: a late loop within it costs nothing more.
-    lag = ctx.lag_overlap_ns(min(start + int(median), end) if slow else start, end)
-    if lag > 0:
-        out.append(Finding(EVENT_LOOP_LAG, lag / 1e6, f"was held {lag / 1e6:,.1f} ms by an event loop running late "
-                           f"during its {stage.label}", stage=stage.label))
+    lag_from = min(start + int(median), end) if slow else start
+    lag = ctx.lag_overlap_ns(lag_from, end)
+    out += loop_lag_findings(ctx, lag_from, end, f"an event loop running late during its {stage.label}",
+                             stage=stage.label)
     rest = min((end - start) - lag, median)
     if rest > 0 and slow:
         out.append(Finding(SLOW_STAGE, rest / 1e6, f"spent {(end - start) / 1e6:,.1f} ms in {stage.label}, which "

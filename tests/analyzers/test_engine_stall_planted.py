@@ -21,13 +21,12 @@ import pytest
 from planted_runs import traced_deployment
 
 import tokentrace
-from analyzers.diagnosis import CAUSES
 from tokentrace.schema import col
 
 pytestmark = pytest.mark.timeout(300)
 STOP_S = 0.6
 ITL_TARGET_MS = 300.0  # half the stop: a gap the stop spans misses it, the run's ordinary gaps do not
-STOPPED_CAUSES = {"engine_stall", "cpu_starved"} & set(CAUSES) | {"engine_stall"}
+STOPPED_CAUSES = {"engine_stall", "cpu_starved"}  # both say the process got no CPU: it was stopped
 BODY = {"model": "tiny", "prompt": "the engine will stop for a moment", "max_tokens": 120, "ignore_eos": True,
         "stream": True}
 

@@ -35,9 +35,14 @@ def test_a_loop_kept_busy_is_recorded_as_late_ticks():
     rows = sink.table(LOOP_LAGS.name).to_pylist()
     rec.close()
     assert sampler.num_ticks >= 2
-    longest = max(r[col.END_NS] - r[col.START_NS] for r in rows)
-    assert longest >= 40 * MS  # the planted 50 ms, less the tick period it may have overlapped
+    longest = max(rows, key=lambda r: r[col.END_NS] - r[col.START_NS])
+    assert longest[col.END_NS] - longest[col.START_NS] >= 40 * MS  # the planted 50 ms, less the tick period
     assert all(r[col.INSTANCE_ID] == 4 for r in rows)
+    # A sleep holds the loop without using its CPU: the row says so (the process CPU holds the thread's,
+    # within the two clocks' reads a few instructions apart).
+    assert all(r[col.ARMED_NS] <= r[col.START_NS] and 0 <= r[col.LOOP_CPU_NS] <= r[col.PROCESS_CPU_NS] + MS
+               for r in rows)
+    assert longest[col.LOOP_CPU_NS] < 20 * MS, longest
 
 
 def test_closing_before_the_loop_ends_leaves_nothing_pending():

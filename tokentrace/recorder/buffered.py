@@ -288,11 +288,13 @@ class BufferedRecorder:
             return
         b.put(row)
 
-    def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        """Record an event-loop tick due at ``start_ns`` that ran at ``end_ns`` (see module contract)."""
+    def loop_lag(self, start_ns: int, end_ns: int, armed_ns: int = -1, loop_cpu_ns: int = -1,
+                 process_cpu_ns: int = -1) -> None:
+        """Record an event-loop tick due at ``start_ns`` that ran at ``end_ns``, with the CPU its thread and process
+        used since it was armed at ``armed_ns`` (-1: not measured; see module contract)."""
         b = self._loop_lags
         try:
-            row = _pack_loop_lag(start_ns, end_ns)
+            row = _pack_loop_lag(start_ns, end_ns, armed_ns, loop_cpu_ns, process_cpu_ns)
         except Exception:
             next(self._invalid)
             return

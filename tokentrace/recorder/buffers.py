@@ -136,7 +136,7 @@ LAYOUTS: dict[str, Layout] = {
     ),
     LOOP_LAGS.name: Layout(
         LOOP_LAGS,
-        (col.START_NS, col.END_NS),
+        (col.START_NS, col.END_NS, col.ARMED_NS, col.LOOP_CPU_NS, col.PROCESS_CPU_NS),
         budget_share=0.01,
     ),
     SPEC_STEPS.name: Layout(

@@ -56,8 +56,9 @@ class ForwardingRecorder:
                     step: int = -1) -> None:
         self.inner.cache_event(kind, tier, num_blocks, start_ns, end_ns, request_id, num_tokens, num_bytes, step)
 
-    def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        self.inner.loop_lag(start_ns, end_ns)
+    def loop_lag(self, start_ns: int, end_ns: int, armed_ns: int = -1, loop_cpu_ns: int = -1,
+                 process_cpu_ns: int = -1) -> None:
+        self.inner.loop_lag(start_ns, end_ns, armed_ns, loop_cpu_ns, process_cpu_ns)
 
     def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,
                   first_token_index: int, draft_start_ns: int, draft_end_ns: int, verify_start_ns: int,

@@ -65,8 +65,10 @@ class Recorder(Protocol):
         """One KV cache event (``kind``: ``CacheEventKind``)."""
         ...
 
-    def loop_lag(self, start_ns: int, end_ns: int) -> None:
-        """An event-loop tick due at ``start_ns`` ran at ``end_ns``."""
+    def loop_lag(self, start_ns: int, end_ns: int, armed_ns: int = -1, loop_cpu_ns: int = -1,
+                 process_cpu_ns: int = -1) -> None:
+        """An event-loop tick armed at ``armed_ns`` and due at ``start_ns`` ran at ``end_ns``; meanwhile the loop's
+        thread used ``loop_cpu_ns`` of CPU and its process ``process_cpu_ns`` (-1: not measured)."""
         ...
 
     def spec_step(self, request_id: int, step: int, draft_source: int, num_proposed: int, num_accepted: int,

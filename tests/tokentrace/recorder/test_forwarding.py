@@ -71,7 +71,9 @@ def test_wrappers_derive_from_the_base_and_the_skew_wrapper_changes_only_times()
     skewed = SkewedRecorder(spy, 1_000)  # type: ignore[arg-type]
     skewed.span(7, 3, 10, 20, 2, 5, 9, 1, 4)
     skewed.loop_lag(1, 2)
+    skewed.loop_lag(1, 2, 0, 5, 9)  # armed at 0: a time; the CPU durations stay
     skewed.step(1, 10, 20, 4, 0, 4, 0, 4, 0, 7)
     assert spy.calls[0] == ("span", (7, 3, 1_010, 1_020, 2, 5, 9, 1, 4), {})
-    assert spy.calls[1] == ("loop_lag", (1_001, 1_002), {})
-    assert spy.calls[2] == ("step", (1, 1_010, 1_020, 4, 0, 4, 0, 4, 0, 7), {})
+    assert spy.calls[1] == ("loop_lag", (1_001, 1_002, -1, -1, -1), {})  # not measured stays -1
+    assert spy.calls[2] == ("loop_lag", (1_001, 1_002, 1_000, 5, 9), {})
+    assert spy.calls[3] == ("step", (1, 1_010, 1_020, 4, 0, 4, 0, 4, 0, 7), {})

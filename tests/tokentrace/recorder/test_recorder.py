@@ -66,6 +66,7 @@ def test_every_table_round_trips_exact_values(sink, rec):
     rec.instance(role=Role.DECODE, name="decode-1", host="h1", pid=99,
                  anchor=Anchor(mono_ns=5, wall_ns=6), clock_offset_ns=-7, clock_rtt_ns=8)
     rec.loop_lag(300, 340)
+    rec.loop_lag(400, 450, 390, 55, 60)
     rec.spec_step(rid, 7, DraftSource.NGRAM, 4, 3, 5, 120, 125, 126, 150, 3, 2)
     rec.flush()
 
@@ -102,7 +103,11 @@ def test_every_table_round_trips_exact_values(sink, rec):
         col.PID: 99, col.MONO_ANCHOR_NS: 5, col.WALL_ANCHOR_NS: 6, col.CLOCK_OFFSET_NS: -7,
         col.CLOCK_RTT_NS: 8,
     }]
-    assert rows(sink, LOOP_LAGS) == [{col.INSTANCE_ID: 42, col.START_NS: 300, col.END_NS: 340}]
+    assert rows(sink, LOOP_LAGS) == [  # not measured: null
+        {col.INSTANCE_ID: 42, col.START_NS: 300, col.END_NS: 340, col.ARMED_NS: None, col.LOOP_CPU_NS: None,
+         col.PROCESS_CPU_NS: None},
+        {col.INSTANCE_ID: 42, col.START_NS: 400, col.END_NS: 450, col.ARMED_NS: 390, col.LOOP_CPU_NS: 55,
+         col.PROCESS_CPU_NS: 60}]
     assert rows(sink, SPEC_STEPS) == [{
         col.INSTANCE_ID: 42, col.REQUEST_ID: rid, col.STEP: 7, col.DRAFT_SOURCE: int(DraftSource.NGRAM),
         col.NUM_PROPOSED: 4, col.NUM_ACCEPTED: 3, col.FIRST_TOKEN_INDEX: 5, col.DRAFT_START_NS: 120,
@@ -113,7 +118,8 @@ def test_every_table_round_trips_exact_values(sink, rec):
     for name in recorded:
         assert sink.table(name).schema.equals(TABLES[name].schema, check_metadata=True)
     counters = rec.counters
-    assert {name: counters[name] for name in recorded} == {name: 1 for name in recorded}
+    assert {name: counters[name] for name in recorded} == {name: 2 if name == LOOP_LAGS.name else 1
+                                                           for name in recorded}
     assert counters["dropped"] == counters["dropped_invalid"] == counters["sink_errors"] == 0
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from analyzers.loop_lag import BLOCKING, CAUSE_MS, OTHER_THREADS, STARVED
 from tokentrace.app.report.headline import (
     advice_sentence,
     attribution_sentence,
@@ -155,6 +156,20 @@ def breakdown_section(ctx: Context) -> Section:
     return Section("stage_breakdown", title, note, _nonempty(*tables))
 
 
+_LATE_WHY = {BLOCKING: "its own thread running (blocking callbacks)",
+             OTHER_THREADS: "other threads of its process running (the GIL held away from it)",
+             STARVED: "neither running (a starved host)"}
+
+
+def _late_why(r: Any) -> str:
+    """Why one loop ran late: the share of its measured late time for each reason (analyzers.loop_lag)."""
+    ms = {k: float(r[CAUSE_MS[k]]) for k in _LATE_WHY if pd.notna(r.get(CAUSE_MS[k]))}
+    total = sum(ms.values())
+    if not total > 0:
+        return ""
+    return " Of its measured late time: " + ", ".join(f"{v / total:.0%} {_LATE_WHY[k]}" for k, v in ms.items()) + "."
+
+
 def loop_sentence(lag: Any) -> str:
     """One sentence per sampled loop, and the stages it explains most."""
     if lag.is_empty:
@@ -163,7 +178,7 @@ def loop_sentence(lag: Any) -> str:
     parts = []
     for _, r in lag.instances.iterrows():
         parts.append(f"{r['instance']} ({r['role']}): {int(r['late_ticks']):,} late ticks, {r['late_ms']:,.1f} ms in "
-                     f"all ({r['late_share']:.1%} of its time), the longest {r['longest_ms']:,.1f} ms.")
+                     f"all ({r['late_share']:.1%} of its time), the longest {r['longest_ms']:,.1f} ms.{_late_why(r)}")
     stages = lag.stages[lag.stages["share_in_late"] >= 0.01].sort_values("in_late_ms", ascending=False)
     if len(stages):
         named = ", ".join(f"{s['share_in_late']:.0%} of {s['stage']}" for _, s in stages.head(3).iterrows())
