@@ -13,8 +13,8 @@ the loop ran late: :mod:`analyzers.diagnosis.event_loop`) and the rest (``outsid
 The *excess* is the time over target: TTFT - target, plus each gap over the ITL target beyond it
 (or, for a TPOT miss without such a gap, (TPOT - target) x (tokens - 1)); the E2E excess instead
 when larger. The rules (:mod:`analyzers.diagnosis.queueing`, :mod:`analyzers.diagnosis.stages`,
-documented with their thresholds in ``docs/diagnosis.md``) turn the request's spans in its TTFT and
-in each missed gap into findings; a phase's findings are scaled down to that phase's excess when
+:mod:`analyzers.diagnosis.prefill`, :mod:`analyzers.diagnosis.event_loop`, documented with their thresholds
+in ``docs/diagnosis.md``) turn the request's spans in its TTFT and in each missed gap into findings; a phase's findings are scaled down to that phase's excess when
 they explain more than it, and what they do not explain is ``unknown`` (the request's own ordinary
 work, or a cause no rule knows). Causes are merged per (cause, stage, tenant) and ordered by
 milliseconds, largest first, ``unknown`` last whatever its size (it is no cause, only what is left);
