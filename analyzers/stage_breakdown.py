@@ -87,29 +87,33 @@ TOKEN_STAGE_NS = facts.Fact(
 
 
 _SPAN_STAGE_SUMS = "span_stage_sums"  # temp table of one pass over the spans (dropped after use)
-_MARKED_FIRST, _MARKED_LATER = -1, -2  # span_stage_sums.token of a piece counted in an unmarked token: 0 / i >= 1
+_UNMARKED = -1  # span_stage_sums.token of the pieces counted in a token that is not marked
 
 
 def _span_stage_sums(src: Source, marked: str | None) -> None:
     """Temp table :data:`_SPAN_STAGE_SUMS`: the spans' clipped time (:func:`analyzers.attribution.span_pieces_sql`)
     summed per request, stage, recording instance and ``token``: the token it counts in when that token is in
-    relation ``marked`` (distinct (request_id, token_index) pairs), else -1 for token 0 and -2 for a later one;
-    with ``lo``, the earliest moment of that time in token 0's interval (null without any: only token 0's is read).
+    relation ``marked`` (distinct (request_id, token_index) pairs), else -1; with ``first_ns``, the part of it
+    counted in token 0's interval (null without any), and ``first_start_ns``, that part's earliest moment.
 
     One pass over the spans gives both the per-request sums and the marked tokens' own rows: a few groups more
-    than the requests' alone, never one per token."""
+    than the requests' alone, never one per token. Each group's sums are BIGINT already: every piece is >= 0, so a
+    group's sum is at most its request's, which the fact declares BIGINT (an overflow raises either way), and the
+    regrouping per role adds BIGINTs instead of 128-bit sums."""
     c = col
-    token = (f"CASE WHEN p.{c.TOKEN_INDEX} = 0 THEN {_MARKED_FIRST} ELSE {_MARKED_LATER} END" if marked is None else
-             f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} WHEN p.{c.TOKEN_INDEX} = 0 THEN {_MARKED_FIRST} "
-             f"ELSE {_MARKED_LATER} END")
+    token = (f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} ELSE {_UNMARKED} END" if marked is not None
+             else str(_UNMARKED))
+    by_token = f", {token}" if marked is not None else ""  # (a constant is no group key: GROUP BY -1 is a position)
+    first = f"p.{c.TOKEN_INDEX} = 0 AND p.hi > p.lo"
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE {_SPAN_STAGE_SUMS} AS
         SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token} AS token,
-               SUM(GREATEST(0, p.hi - p.lo)) AS ns,
-               MIN(CASE WHEN p.{c.TOKEN_INDEX} = 0 AND p.hi > p.lo THEN p.lo END) AS lo
+               CAST(SUM(GREATEST(0, p.hi - p.lo)) AS BIGINT) AS ns,
+               CAST(SUM(p.hi - p.lo) FILTER (WHERE {first}) AS BIGINT) AS first_ns,
+               MIN(p.lo) FILTER (WHERE {first}) AS first_start_ns
         FROM ({span_pieces_sql(src, mark=marked)}) p
         WHERE p.{c.STAGE} IS NOT NULL
-        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token}
+        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}{by_token}
     """)
 
 
@@ -119,12 +123,10 @@ def _request_stage_sql() -> str:
     moment (instances joined to the sums, not to every span)."""
     c = col
     role = f"COALESCE(i.{c.ROLE}, -1)"  # a missing instance's role joins as -1, is null in the result
-    first = f"s.token IN (0, {_MARKED_FIRST})"
     return f"""
         WITH summed AS (
-            SELECT s.{c.REQUEST_ID}, s.{c.STAGE}, {role} AS role, SUM(s.ns) AS ns,
-                   SUM(CASE WHEN {first} AND s.lo IS NOT NULL THEN s.ns END) AS first_ns,
-                   MIN(CASE WHEN {first} THEN s.lo END) AS first_start_ns
+            SELECT s.{c.REQUEST_ID}, s.{c.STAGE}, {role} AS role, SUM(s.ns) AS ns, SUM(s.first_ns) AS first_ns,
+                   MIN(s.first_start_ns) AS first_start_ns
             FROM {_SPAN_STAGE_SUMS} s LEFT JOIN instances i USING ({c.INSTANCE_ID})
             GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}, {role}
         )
@@ -204,19 +206,19 @@ def _tail_cuts(src: Source, tokens: str, tail_fraction: float) -> None:
 
     A token is in the tail when it ranks at or before that one (:data:`_IN_TAIL`): no table of tail tokens is
     joined to the spans. Candidates first (>= a quantile that keeps at least twice the tail), then the exact
-    rank: ranking only the candidates avoids sorting every token."""
+    rank: ranking only the candidates avoids sorting every token. ``tokens`` is read twice rather than named once
+    as a common table expression, which DuckDB would write out whole (every token) before either read."""
     c = col
     q = max(0.0, 1.0 - 2.0 * tail_fraction)
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE bd_cut AS
-        WITH tok AS ({tokens}),
-        q AS (SELECT grp, first, COUNT(*) AS n, SUM(lat)::DOUBLE AS lat, quantile_disc(lat, {q}) AS cut
-              FROM tok GROUP BY grp, first),
+        WITH q AS (SELECT grp, first, COUNT(*) AS n, SUM(lat)::DOUBLE AS lat, quantile_disc(lat, {q}) AS cut
+                   FROM ({tokens}) tok GROUP BY grp, first),
         ranked AS (
             SELECT b.grp, b.first, b.lat, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}, q.n,
                    ROW_NUMBER() OVER (PARTITION BY b.grp, b.first
                                       ORDER BY b.lat DESC, b.{c.REQUEST_ID}, b.{c.TOKEN_INDEX}) AS rank
-            FROM tok b JOIN q ON b.grp IS NOT DISTINCT FROM q.grp AND b.first = q.first
+            FROM ({tokens}) b JOIN q ON b.grp IS NOT DISTINCT FROM q.grp AND b.first = q.first
             WHERE b.lat >= q.cut
         )
         SELECT q.grp, q.first, q.n, q.lat, r.lat AS cut_lat, r.{c.REQUEST_ID} AS cut_request,
