@@ -329,7 +329,8 @@ def warm_calls(info: RunInfo) -> list[tuple[Callable[..., Any], dict[str, Hashab
     w = series_window_s(info.duration_ns)
     a = RunAnalysis
     return [
-        (a.load, {}), (a.latency, {}), (a.latency, {"window_s": w}), (a.slo, {}), (a.goodput, {}), (a.pd_ratio, {}),
+        (a.diagnosis, {}), (a.load, {}), (a.latency, {}), (a.latency, {"window_s": w}), (a.slo, {}), (a.goodput, {}),
+        (a.pd_ratio, {}),
         (a.capacity_throughput_summary, {}), (a.capacity_percentiles, {}), (a.capacity_offered_load, {}),
         (a.capacity_slo_targets, {}), (a.capacity_throughput, {"window_s": w}),
         (a.capacity_load_latency, {"window_s": w}), (a.queues, {"bucket_s": float(w)}), (a.capacity_cdf, {}),

@@ -145,6 +145,26 @@ def test_analyses_are_called_not_named(store):
     assert RunAnalysis.capacity_load_latency in [analysis for analysis, _ in warm]
 
 
+def test_warming_computes_every_analysis_the_overview_asks_for(store):
+    from dashboard.app import create_app
+    from dashboard.components.shell import ViewQuery
+
+    create_app(store)  # registers the pages
+    from dashboard.pages import overview
+
+    asked: list[tuple[str, tuple]] = []
+
+    class Recording(DataSource):
+        def result(self, run_id, analysis, **kwargs):
+            asked.append((analysis.__qualname__, tuple(sorted(kwargs.items()))))
+            return super().result(run_id, analysis, **kwargs)
+
+    src = Recording(store)
+    overview.body(src, ViewQuery(run="one"))
+    warm = {(analysis.__qualname__, tuple(sorted(kwargs.items()))) for analysis, kwargs in warm_calls(src.info("one"))}
+    assert asked and [call for call in asked if call not in warm] == []
+
+
 def test_compare_reads_the_runs_against_run_to_run_noise(store):
     src = DataSource(store)
     df = src.compare("two", "one")
