@@ -46,8 +46,9 @@ process's (``time.process_time_ns``) when it is armed and when it runs, and reco
 differences with the row (``loop_cpu_ns``, ``process_cpu_ns``, over ``[armed_ns, end_ns)``):
 the loop's own thread busy (a blocking callback), another thread of the process busy (the
 GIL held away from the loop), or neither (a host whose CPUs ran other processes).
-``analyzers.loop_lag`` splits each row's time by those shares. Two clock reads at arm
-and two at run, on a tick that is rare: the hot path is the poke's comparison, unchanged.
+``analyzers.loop_lag`` splits each row's time by those shares. Two clock reads each time the
+tick is armed (a move included: at most one per period) and two when a late one runs; a poke
+that does not move the tick reads none.
 
 The rows keep their meaning: each is a stretch during which a callback due on the loop
 (the tick) waited. A tick is never moved while it is due or overdue, nor while other

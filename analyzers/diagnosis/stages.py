@@ -215,9 +215,7 @@ def _before_admission(admitted: dict[int, int], inst: int, end: int) -> bool:
 def _is_wait(ctx: RunContext, inst: int, queue_ns: int) -> bool:
     """A decode.queue interval longer than ``WAIT_STEPS`` of the instance's typical steps: the token waited for
     a place in a batch (admission on a full decode instance), not for the step being formed."""
-    g = ctx.ev.steps
-    durations = (g[g[col.INSTANCE_ID] == inst][col.END_NS] - g[g[col.INSTANCE_ID] == inst][col.START_NS])
-    typical = float(durations.median()) if len(durations) else math.nan
+    typical = ctx.step_ns(inst)
     return math.isfinite(typical) and queue_ns > WAIT_STEPS * typical
 
 
