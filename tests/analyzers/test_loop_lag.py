@@ -60,18 +60,23 @@ def test_the_main_cause_holds_half_the_measured_late_time(handmade):
     assert row["cause"] == "starved" and row["starved_ms"] == pytest.approx(20 + 20 * (1 - 0.9 - 1 / 30))
 
 
-@pytest.mark.parametrize(("loop_cpu", "process_cpu", "cause"), [
-    (29, 29.5, "event_loop_lag"), (0.5, 28, "gil_contention"), (0.2, 0.6, "cpu_starved")])
-def test_the_diagnosis_names_the_reason_the_loop_ran_late(handmade, loop_cpu, process_cpu, cause):
-    """Request 1's gateway.accept (0-100 ms) waited on a loop 80 ms late (armed at 0, due at 10, ran at 90);
-    requests 2 and 3 are accepted in 1 ms: the stage is not slow for every request."""
-    h = handmade
+def _slow_accept(h):
+    """Request 1 accepted in 100 ms (then a 20 ms prefill); requests 2 and 3 in 1 ms: the stage is not slow."""
     h.request(1, 0, 120, prompt=10).tokens(1, [120])
     h.span(1, Stage.GATEWAY_ACCEPT, 0, 100, 0)
     h.span(1, Stage.PREFILL_COMPUTE, 100, 120, 0, step=1)
     for rid in (2, 3):
         h.request(rid, rid * 1000, rid * 1000 + 21, prompt=10).tokens(rid, [rid * 1000 + 21])
         h.span(rid, Stage.GATEWAY_ACCEPT, rid * 1000, rid * 1000 + 1, 0)
+    return h
+
+
+@pytest.mark.parametrize(("loop_cpu", "process_cpu", "cause"), [
+    (29, 29.5, "event_loop_lag"), (0.5, 28, "gil_contention"), (0.2, 0.6, "cpu_starved")])
+def test_the_diagnosis_names_the_reason_the_loop_ran_late(handmade, loop_cpu, process_cpu, cause):
+    """Request 1's gateway.accept (0-100 ms) waited on a loop 80 ms late (armed at 0, due at 10, ran at 90);
+    requests 2 and 3 are accepted in 1 ms: the stage is not slow for every request."""
+    h = _slow_accept(handmade)
     _lag(h, 1, 0, 10, 90, loop_cpu * 3, process_cpu * 3)  # the window is 90 ms: CPU in thirds of it
     d = diagnose(h.source(), targets=Targets(ttft_ms=50))
     causes = d.causes[d.causes[col.REQUEST_ID] == 1].sort_values("rank").to_dict("records")
@@ -85,13 +90,7 @@ def test_the_diagnosis_names_the_reason_the_loop_ran_late(handmade, loop_cpu, pr
 
 def test_a_store_without_the_cpu_columns_reads_them_as_null_and_names_event_loop_lag(handmade, tmp_path):
     """A run written before schema version 6: its loop_lags files have no CPU columns."""
-    h = handmade
-    h.request(1, 0, 120, prompt=10).tokens(1, [120])
-    h.span(1, Stage.GATEWAY_ACCEPT, 0, 100, 0)
-    h.span(1, Stage.PREFILL_COMPUTE, 100, 120, 0, step=1)
-    for rid in (2, 3):
-        h.request(rid, rid * 1000, rid * 1000 + 21, prompt=10).tokens(rid, [rid * 1000 + 21])
-        h.span(rid, Stage.GATEWAY_ACCEPT, rid * 1000, rid * 1000 + 1, 0)
+    h = _slow_accept(handmade)
     _lag(h, 1, 0, 10, 90, None, None)
     h.write(tmp_path)
     (part,) = open_run(tmp_path / "run-1").files(LOOP_LAGS.name)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from instrument import transport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the deployments helpers
 from deployments import serve_app  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 CHUNK_INTERVAL_S = 0.01
 MAX_CHUNKS = 3000  # about 30 s: longer than any client here reads
@@ -53,16 +52,6 @@ class LeftStreams:
 async def _disconnected(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout_s: float = 10.0) -> bool:
-    """Poll ``predicate`` (state changed on the server's thread) until true or timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_a_stream_stays_open_until_its_own_client_leaves() -> None:

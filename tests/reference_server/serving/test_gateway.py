@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
+from polling import wait_for
 
 from reference_server.engine import EngineConfig, TenantConfig
 from reference_server.serving.backend import LocalBackend
@@ -91,16 +91,6 @@ def client(server: ServerThread, tenant: str = "acme") -> openai.OpenAI:
 
 def data_events(raw: str) -> list[str]:
     return [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
-
-
-def wait_for(predicate, *, timeout_s: float = 10.0) -> bool:
-    """Poll ``predicate`` (state changed on the server's threads) until true or timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 # ---------------------------------------------------------------------- the openai client
