@@ -334,9 +334,15 @@ class Worker:
             self.observers.emit("on_worker_request_received", WorkerRequestReceived(
                 seq.request_id, self.name, wid, "prefilled", len(meta["output_token_ids"]), meta.get("traceparent"),
                 time.monotonic_ns()))
-        self.engine_loop.submit_prefilled(seq, meta["output_token_ids"], data, _ControllerSink(self, wid))
+        # Handed to the engine on the loop's next turn: the receiver reports the transfer's end (its last chunk's
+        # time) right after this returns, so an observer knows it before the engine can step the request.
+        asyncio.get_running_loop().call_soon(self._submit_prefilled, wid, seq, meta["output_token_ids"], data)
         self._send({"type": "kv_received", "wid": wid})
         return None
+
+    def _submit_prefilled(self, wid: str, seq: Any, output_token_ids: Any, data: bytes) -> None:
+        if wid not in self._tombstones:  # not aborted since its last chunk arrived
+            self.engine_loop.submit_prefilled(seq, output_token_ids, data, _ControllerSink(self, wid))
 
 
 def _load_plugins(worker: Worker) -> None:
