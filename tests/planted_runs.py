@@ -32,9 +32,13 @@ preemption          110 device blocks, 10          requests with a ``schedule.pr
                     3 ms or more                   for another to finish (tens to hundreds of ms)
 kv_transfer         ``--delay kv_transfer=40ms``   every request (disaggregated only)
 noisy_neighbour     tenant ``noisy`` sends 24      the quiet tenants' requests sent between the burst's first
-                    requests at once, two quiet    send and the drain of the backlog it built: its last
+                    requests at once, two quiet    send and the drain of the backlog it built (its last
                     tenants send steadily          request's finish or, when later, the first engine step
-                                                   after it with no request waiting (client clock; raw steps)
+                                                   after it with no request waiting: client clock; raw steps)
+                                                   while one of the burst's requests was still in flight
+                                                   (``unsure``: sent after the burst's last finish, before
+                                                   the drain; only the backlog of others it had held back
+                                                   was left, which only an attribution can charge to it)
 slow_stage          ``--delay stream_send=30ms``   every request (stage ``stream.send``)
 overload            15 req/s against one worker    requests sent while an earlier request was still running
                     of one sequence (>= 200 ms     (client clock): with one sequence at a time, they queued
@@ -102,7 +106,8 @@ class PlantedRun:
     """A finished planted run: where it is stored and what the client saw, with the truth.
 
     ``hit``: keys of the requests the planted fault hit (see the module doc); ``unsure``: keys of those it
-    touched too little to call hit or spared (head-of-line only), counted in neither recall nor precision;
+    touched too little to call hit or spared (head-of-line and noisy neighbour), counted in neither recall nor
+    precision;
     ``long_keys``: the head-of-line run's long prompts (the requests that cause it, not hit by it).
     """
 
@@ -254,6 +259,8 @@ def build_run(store: Path, kind: str, mode: str) -> PlantedRun:
     outcomes = tuple(result.outcomes)
     if kind == "head_of_line":
         hit, unsure, long_keys = _held_behind_long_prefills(store / run, planned, outcomes)
+    elif kind == "noisy_neighbour":
+        (hit, unsure), long_keys = _behind_the_burst(store / run, planned, outcomes), set()
     else:
         (hit, long_keys), unsure = _truth(kind, store / run, planned, outcomes), set()
     return PlantedRun(kind, mode, store, run, scenario, planned, outcomes, frozenset(hit), frozenset(long_keys),
@@ -303,15 +310,24 @@ def _truth(kind: str, run_dir: Path, planned: tuple[PlannedRequest, ...], outcom
         return hit, set()
     if kind == "preemption":
         return _preempted_in_a_gap(run_dir, by_key), set()
-    if kind == "noisy_neighbour":
-        noisy = [by_key[p.key] for p in planned if p.tenant == NOISY_TENANT]
-        lo = min(o.send_ns for o in noisy)
-        hi = _drained_after(run_dir, max(o.finish_ns for o in noisy))
-        return {p.key for p in planned if p.tenant != NOISY_TENANT and lo <= by_key[p.key].send_ns < hi}, set()
     if kind == "overload":
         order = sorted(outcomes, key=lambda o: o.send_ns)
         return {o.key for i, o in enumerate(order) if any(e.finish_ns > o.send_ns for e in order[:i])}, set()
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def _behind_the_burst(run_dir: Path, planned: tuple[PlannedRequest, ...], outcomes: tuple[Outcome, ...]
+                      ) -> tuple[set[str], set[str]]:
+    """(hit, unsure) of the noisy-neighbour run, on the client's clock: the quiet tenants' requests sent between
+    the burst's first send and the drain of its backlog (:func:`_drained_after` its last finish), hit while one of
+    the burst's requests was still in flight (sent, not finished) when they were sent, unsure after that."""
+    by_key = {o.key: o for o in outcomes}
+    noisy = [by_key[p.key] for p in planned if p.tenant == NOISY_TENANT]
+    lo, last = min(o.send_ns for o in noisy), max(o.finish_ns for o in noisy)
+    hi = _drained_after(run_dir, last)
+    quiet = [by_key[p.key] for p in planned if p.tenant != NOISY_TENANT]
+    return ({o.key for o in quiet if lo <= o.send_ns < last},
+            {o.key for o in quiet if last <= o.send_ns < hi})
 
 
 def _preempted_in_a_gap(run_dir: Path, by_key: dict[str, Outcome]) -> set[str]:

@@ -18,7 +18,8 @@ a preemption that held a gap past the 40 ms ITL target it is judged on (``PREEMP
 event-loop lag on a machine at load 15 outweighed the preemption of one victim in five); a
 stream send of 30 ms against a 15 ms ITL target; a long prompt holds the step budget for about 0.5 s of slept
 prefill cost, and the truth counts a request in flight beside it for the 100 ms TTFT target (``HOL_TTFT_MS``;
-less is unsure, in neither figure): head-of-line 1.0 colocated, 0.97-1.0 disaggregated, 30-46 requests hit in a
+less is unsure, in neither figure); a noisy tenant's burst holds the quiet requests sent while one of its requests
+is in flight (those sent after its last finish, behind only the backlog it left, are unsure): head-of-line 1.0 colocated, 0.97-1.0 disaggregated, 30-46 requests hit in a
 run. Every kind is held to the bar but preemption, whose 5 hit requests would allow no loss: 0.8. On every kind,
 the planted cause is named among the causes (at any rank) of at least ``NAMED_FLOOR`` of the requests it hit
 that missed (measured 0.8-1.0).
