@@ -56,8 +56,10 @@ def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = 
 
     ``only``: a relation of distinct (request_id, token_index) pairs: then only the spans that count in those
     tokens (the join to the token intervals keeps those tokens' rows only, so fewer spans cross it).
-    ``mark``: such a relation too, but every span is kept, with a column ``marked``: whether the token it counts
-    in is one of those pairs (known from the token's row, so no span crosses a second join)."""
+    ``mark``: such a relation too, but every span is kept, with a column ``marked`` false, and the spans that count
+    in one of those tokens come once more, with ``marked`` true: the token rows of those pairs are joined twice
+    (known from the token's row, so no span crosses a second join, and a sum over the unmarked rows is every span's
+    without a second grouping)."""
     c = col
     tt = token_times(src)
     if only is not None:
@@ -65,7 +67,8 @@ def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = 
               f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{COUNTED_IN})")
     marked = ""
     if mark is not None:
-        tt = (f"(SELECT t.*, k.{c.REQUEST_ID} IS NOT NULL AS marked FROM {tt} t LEFT JOIN {mark} k "
+        tt = (f"(SELECT t.*, false AS marked FROM {tt} t UNION ALL "
+              f"SELECT t.*, true AS marked FROM {tt} t JOIN {mark} k "
               f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{COUNTED_IN})")
         marked = ", t.marked"
     toward, floors = f"s.{c.TOKEN_INDEX}", ""

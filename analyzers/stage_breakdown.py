@@ -87,51 +87,46 @@ TOKEN_STAGE_NS = facts.Fact(
 
 
 _SPAN_STAGE_SUMS = "span_stage_sums"  # temp table of one pass over the spans (dropped after use)
-_UNMARKED = -1  # span_stage_sums.token of the pieces counted in a token that is not marked
+_EVERY_TOKEN = -1  # span_stage_sums.token of the sums over every token of the request
 
 
 def _span_stage_sums(src: Source, marked: str | None) -> None:
     """Temp table :data:`_SPAN_STAGE_SUMS`: the spans' clipped time (:func:`analyzers.attribution.span_pieces_sql`)
-    summed per request, stage, recording instance and ``token``: the token it counts in when that token is in
-    relation ``marked`` (distinct (request_id, token_index) pairs), else -1; with ``first_ns``, the part of it
-    counted in token 0's interval (null without any), and ``first_start_ns``, that part's earliest moment.
+    summed per request, stage, role of the recording instance (-1: an instance missing from the instances table)
+    and ``token``: -1 for the sum over all the request's tokens, and, for each token in relation ``marked``
+    (distinct (request_id, token_index) pairs), that token's own part again under its index; with ``first_ns``,
+    the part counted in token 0's interval (null without any), and ``first_start_ns``, that part's earliest moment.
 
-    One pass over the spans gives both the per-request sums and the marked tokens' own rows: a few groups more
-    than the requests' alone, never one per token. Each group's sums are BIGINT already: every piece is >= 0, so a
-    group's sum is at most its request's, which the fact declares BIGINT (an overflow raises either way), and the
-    regrouping per role adds BIGINTs instead of 128-bit sums."""
+    One pass over the spans gives both the per-request sums (the -1 rows, as they are: no second grouping) and the
+    marked tokens' own rows: a few groups more than the requests' alone, never one per token. Each group's sums
+    are BIGINT: every piece is >= 0, so a group's sum is at most its request's, which the fact declares BIGINT (an
+    overflow raises either way)."""
     c = col
-    token = (f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} ELSE {_UNMARKED} END" if marked is not None
-             else str(_UNMARKED))
+    token = (f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} ELSE {_EVERY_TOKEN} END" if marked is not None
+             else str(_EVERY_TOKEN))
     by_token = f", {token}" if marked is not None else ""  # (a constant is no group key: GROUP BY -1 is a position)
+    role = f"COALESCE(i.{c.ROLE}, -1)"
     first = f"p.{c.TOKEN_INDEX} = 0 AND p.hi > p.lo"
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE {_SPAN_STAGE_SUMS} AS
-        SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token} AS token,
+        SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, {role} AS role, {token} AS token,
                CAST(SUM(GREATEST(0, p.hi - p.lo)) AS BIGINT) AS ns,
                CAST(SUM(p.hi - p.lo) FILTER (WHERE {first}) AS BIGINT) AS first_ns,
                MIN(p.lo) FILTER (WHERE {first}) AS first_start_ns
-        FROM ({span_pieces_sql(src, mark=marked)}) p
+        FROM ({span_pieces_sql(src, mark=marked)}) p LEFT JOIN instances i USING ({c.INSTANCE_ID})
         WHERE p.{c.STAGE} IS NOT NULL
-        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}{by_token}
+        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, {role}{by_token}
     """)
 
 
 def _request_stage_sql() -> str:
     """Per request, stage and role of the recording instance, from :data:`_SPAN_STAGE_SUMS`: the time the spans
     count in the request's token intervals, and the part of it in token 0's interval (TTFT) with its earliest
-    moment (instances joined to the sums, not to every span)."""
+    moment."""
     c = col
-    role = f"COALESCE(i.{c.ROLE}, -1)"  # a missing instance's role joins as -1, is null in the result
     return f"""
-        WITH summed AS (
-            SELECT s.{c.REQUEST_ID}, s.{c.STAGE}, {role} AS role, SUM(s.ns) AS ns, SUM(s.first_ns) AS first_ns,
-                   MIN(s.first_start_ns) AS first_start_ns
-            FROM {_SPAN_STAGE_SUMS} s LEFT JOIN instances i USING ({c.INSTANCE_ID})
-            GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}, {role}
-        )
         SELECT {c.REQUEST_ID}, {c.STAGE}, CASE WHEN role >= 0 THEN role END AS {c.ROLE}, ns, first_ns, first_start_ns
-        FROM summed
+        FROM {_SPAN_STAGE_SUMS} WHERE token = {_EVERY_TOKEN}
     """
 
 
