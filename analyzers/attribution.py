@@ -78,12 +78,44 @@ def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = 
                 SELECT {c.REQUEST_ID}, {c.INSTANCE_ID}, MIN({c.TOKEN_INDEX}) AS first_emitted FROM srv_tokens
                 WHERE {c.EMIT_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.INSTANCE_ID}
             ) e ON e.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND e.{c.INSTANCE_ID} = s.{c.INSTANCE_ID}"""
+    on = f"t.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} >= 0 AND t.{c.TOKEN_INDEX} = {toward}"
+    key = _token_key(src)
+    if key is not None:  # one BIGINT per token instead of two columns: a cheaper hash join
+        first, width, last = key
+        tt = f"(SELECT t.*, {_key_sql('t', first, width)} AS token_key FROM {tt} t)"
+        # a span outside the tokens' bounds matches no token: it gets no key (and no product that could overflow)
+        on = (f"t.token_key = CASE WHEN s.{c.TOKEN_INDEX} >= 0 AND s.{c.REQUEST_ID} BETWEEN ({first}) AND ({last}) "
+              f"AND {toward} < {width} THEN {_key_sql('s', first, width, toward)} END")
     return f"""
         SELECT s.{c.REQUEST_ID}, t.{COUNTED_IN} AS {c.TOKEN_INDEX}, s.{c.STAGE}, s.{c.INSTANCE_ID}, s.{c.START_NS},
                s.{c.END_NS}, GREATEST(s.{c.START_NS}, t.{OWN_START}) AS lo, LEAST(s.{c.END_NS}, t.{OWN_END}) AS hi{marked}
         FROM srv_spans s {floors}
-        JOIN {tt} t ON t.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} >= 0 AND t.{c.TOKEN_INDEX} = {toward}
+        JOIN {tt} t ON {on}
     """
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _token_key(src: Source) -> tuple[int, int, int] | None:
+    """(first request id, width, last request id) of the delivered tokens, for one BIGINT key per token:
+    (request_id - first) * width + token_index, width above every token index; None when the tokens have a
+    negative index or the keys would not fit in a BIGINT (then the join keeps its two columns). Once per source."""
+    def bounds() -> tuple[int, int, int] | None:
+        c = col
+        row = src.fetchone(f"SELECT MIN({c.REQUEST_ID}), MAX({c.REQUEST_ID}), MIN({c.TOKEN_INDEX}), "
+                           f"MAX({c.TOKEN_INDEX}) FROM {token_times(src)}")
+        if row is None or any(v is None for v in row) or int(row[2]) < 0:
+            return None
+        first, last, width = int(row[0]), int(row[1]), int(row[3]) + 1
+        return (first, width, last) if (last - first + 1) * width <= _INT64_MAX else None
+    return src.cached("token_key", bounds)
+
+
+def _key_sql(alias: str, first: int, width: int, index: str | None = None) -> str:
+    """The token key of :func:`_token_key` of row ``alias`` (``index``: its token index expression)."""
+    c = col
+    return f"({alias}.{c.REQUEST_ID} - ({first})) * {width} + {index or f'{alias}.{c.TOKEN_INDEX}'}"
 
 
 def _num_emitting_instances(src: Source) -> int:

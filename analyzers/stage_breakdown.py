@@ -105,7 +105,7 @@ def _span_stage_sums(src: Source, marked: str | None) -> None:
     token = (f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} ELSE {_EVERY_TOKEN} END" if marked is not None
              else str(_EVERY_TOKEN))
     by_token = f", {token}" if marked is not None else ""  # (a constant is no group key: GROUP BY -1 is a position)
-    role = f"COALESCE(i.{c.ROLE}, -1)"
+    role, instances = _role_sql(src, f"p.{c.INSTANCE_ID}")
     first = f"p.{c.TOKEN_INDEX} = 0 AND p.hi > p.lo"
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE {_SPAN_STAGE_SUMS} AS
@@ -113,10 +113,28 @@ def _span_stage_sums(src: Source, marked: str | None) -> None:
                CAST(SUM(GREATEST(0, p.hi - p.lo)) AS BIGINT) AS ns,
                CAST(SUM(p.hi - p.lo) FILTER (WHERE {first}) AS BIGINT) AS first_ns,
                MIN(p.lo) FILTER (WHERE {first}) AS first_start_ns
-        FROM ({span_pieces_sql(src, mark=marked)}) p LEFT JOIN instances i USING ({c.INSTANCE_ID})
+        FROM ({span_pieces_sql(src, mark=marked)}) p {instances}
         WHERE p.{c.STAGE} IS NOT NULL
         GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, {role}{by_token}
     """)
+
+
+_ROLE_CASES = 16  # instances up to which a span's role is a CASE over its instance id rather than a join
+
+
+def _role_sql(src: Source, instance: str) -> tuple[str, str]:
+    """The role of the instance ``instance`` (an expression) as an expression, -1 for an instance missing from the
+    instances table or without a role, and the join clause it needs (alias ``i``; empty for a CASE): a run's few
+    instances are spelt out in a CASE, so that no span row crosses a join."""
+    c = col
+    rows = src.cached("instance_roles", lambda: src.df(f"SELECT {c.INSTANCE_ID}, {c.ROLE} FROM instances"))
+    ids = rows[c.INSTANCE_ID].dropna().astype("int64").tolist()
+    if len(rows) > _ROLE_CASES or len(ids) != len(rows) or len(set(ids)) != len(ids):
+        return f"COALESCE(i.{c.ROLE}, -1)", f"LEFT JOIN instances i ON i.{c.INSTANCE_ID} = {instance}"
+    if not ids:
+        return "-1", ""
+    roles = [-1 if pd.isna(r) else int(r) for r in rows[c.ROLE]]
+    return "CASE " + instance + "".join(f" WHEN {i} THEN {r}" for i, r in zip(ids, roles)) + " ELSE -1 END", ""
 
 
 def _request_stage_sql() -> str:
