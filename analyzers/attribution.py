@@ -35,7 +35,7 @@ from analyzers.source import Source
 from analyzers.timing import COUNTED_IN, LATENCY, OWN_END, OWN_START, token_times
 from tokentrace.schema import TOKENS, col
 
-__all__ = ["TOKEN_COVERAGE", "span_pieces_sql", "KINDS", "token_coverage", "attribution", "unattributed_share",
+__all__ = ["TOKEN_COVERAGE", "span_pieces_sql", "token_key_sql", "KINDS", "token_coverage", "attribution", "unattributed_share",
            "overlap_share"]
 
 KINDS: tuple[str, ...] = ("ttft", "itl", "all")
@@ -110,6 +110,13 @@ def _token_key(src: Source) -> tuple[int, int, int] | None:
         first, last, width = int(row[0]), int(row[1]), int(row[3]) + 1
         return (first, width, last) if (last - first + 1) * width <= _INT64_MAX else None
     return src.cached("token_key", bounds)
+
+
+def token_key_sql(src: Source, alias: str) -> str | None:
+    """SQL of one BIGINT per token of row ``alias`` (its request_id and token_index those of a delivered token), the
+    same as the one :func:`span_pieces_sql` joins by; None when the tokens' bounds do not keep it in a BIGINT."""
+    key = _token_key(src)
+    return None if key is None else _key_sql(alias, key[0], key[1])
 
 
 def _key_sql(alias: str, first: int, width: int, index: str | None = None) -> str:

@@ -28,7 +28,7 @@ import pandas as pd
 import pyarrow as pa
 
 from analyzers import facts
-from analyzers.attribution import span_pieces_sql
+from analyzers.attribution import span_pieces_sql, token_key_sql
 from analyzers.attribution import unattributed_share as signed_unattributed_share
 from analyzers.groups import group_column, group_sql
 from analyzers.source import Source
@@ -150,21 +150,24 @@ def _stage_totals_along(src: Source, groups: str | None, keys: str, table: str, 
     request, small)."""
     c = col
     grp, join = ("g.grp", f" JOIN {groups} g ON g.{c.REQUEST_ID} = p.{c.REQUEST_ID}") if groups else ("0", "")
-    request = f"CASE WHEN p.marked THEN p.{c.REQUEST_ID} END"
-    token = f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} END"
+    key = token_key_sql(src, "p")  # a marked piece's token as one group key when it fits a BIGINT
+    marks = ([f"CASE WHEN p.marked THEN {key} END AS token_key"] if key is not None else
+             [f"CASE WHEN p.marked THEN p.{c.REQUEST_ID} END AS {c.REQUEST_ID}",
+              f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} END AS {c.TOKEN_INDEX}"])
     first = f"p.{c.TOKEN_INDEX} = 0"
+    by = [f"p.{c.STAGE}", first] + [m.rsplit(" AS ", 1)[0] for m in marks]
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE {_PIECE_SUMS} AS
-        SELECT {grp} AS grp, p.{c.STAGE}, {first} AS first, {request} AS {c.REQUEST_ID}, {token} AS {c.TOKEN_INDEX},
-               SUM(GREATEST(0, p.hi - p.lo)) AS ns
+        SELECT {grp} AS grp, p.{c.STAGE}, {first} AS first, {", ".join(marks)}, SUM(GREATEST(0, p.hi - p.lo)) AS ns
         FROM ({span_pieces_sql(src, mark=keys)}) p{join}
         WHERE p.{c.STAGE} IS NOT NULL
-        GROUP BY {"g.grp, " if groups else ""}p.{c.STAGE}, {first}, {request}, {token}
+        GROUP BY {"g.grp, " if groups else ""}{", ".join(by)}
     """)
+    unmarked = marks[0].rsplit(" AS ", 1)[1] + " IS NULL"
     src.execute(f"""
         CREATE OR REPLACE TEMP TABLE {table} AS
         SELECT grp, {c.STAGE}, SUM(ns) AS ns, COALESCE(SUM(CASE WHEN first THEN ns END), 0) AS first_ns
-        FROM {_PIECE_SUMS} WHERE {c.REQUEST_ID} IS NULL GROUP BY grp, {c.STAGE}
+        FROM {_PIECE_SUMS} WHERE {unmarked} GROUP BY grp, {c.STAGE}
     """)
     src.execute(f"CREATE OR REPLACE TEMP TABLE {rows} AS {TOKEN_STAGE_NS.rows_sql(f'({_keyed_rows_sql(src, keys)})')}")
     src.execute(f"DROP TABLE IF EXISTS {_PIECE_SUMS}")
@@ -176,14 +179,18 @@ def _keyed_rows_sql(src: Source, keys: str) -> str:
     sums = ", ".join(f"SUM(CASE WHEN s.{c.STAGE} = {int(st)} THEN s.ns ELSE 0 END) AS {stage_column(st)}"
                      for st in Stage)
     filled = ", ".join(f"COALESCE(w.{stage_column(st)}, 0) AS {stage_column(st)}" for st in Stage)
+    key = token_key_sql(src, "t")
+    by = ["token_key"] if key is not None else [c.REQUEST_ID, c.TOKEN_INDEX]
+    on = (f"w.token_key = {key}" if key is not None else
+          f"w.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND w.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}")
     return f"""
         SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY}, {filled}
         FROM {token_times(src)} t
         JOIN {keys} k ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
         LEFT JOIN (
-            SELECT s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}, {sums}
-            FROM {_PIECE_SUMS} s WHERE s.{c.REQUEST_ID} IS NOT NULL GROUP BY s.{c.REQUEST_ID}, s.{c.TOKEN_INDEX}
-        ) w ON w.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND w.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+            SELECT {", ".join(f"s.{b}" for b in by)}, {sums}
+            FROM {_PIECE_SUMS} s WHERE s.{by[0]} IS NOT NULL GROUP BY {", ".join(f"s.{b}" for b in by)}
+        ) w ON {on}
     """
 
 
