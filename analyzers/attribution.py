@@ -35,7 +35,7 @@ from analyzers.source import Source
 from analyzers.timing import COUNTED_IN, LATENCY, OWN_END, OWN_START, token_times
 from tokentrace.schema import TOKENS, col
 
-__all__ = ["TOKEN_COVERAGE", "span_pieces_sql", "KINDS", "token_coverage", "attribution", "unattributed_share",
+__all__ = ["TOKEN_COVERAGE", "span_pieces_sql", "token_key_sql", "KINDS", "token_coverage", "attribution", "unattributed_share",
            "overlap_share"]
 
 KINDS: tuple[str, ...] = ("ttft", "itl", "all")
@@ -56,8 +56,10 @@ def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = 
 
     ``only``: a relation of distinct (request_id, token_index) pairs: then only the spans that count in those
     tokens (the join to the token intervals keeps those tokens' rows only, so fewer spans cross it).
-    ``mark``: such a relation too, but every span is kept, with a column ``marked``: whether the token it counts
-    in is one of those pairs (known from the token's row, so no span crosses a second join)."""
+    ``mark``: such a relation too, but every span is kept, with a column ``marked`` false, and the spans that count
+    in one of those tokens come once more, with ``marked`` true: the token rows of those pairs are joined twice
+    (known from the token's row, so no span crosses a second join, and a sum over the unmarked rows is every span's
+    without a second grouping)."""
     c = col
     tt = token_times(src)
     if only is not None:
@@ -65,7 +67,8 @@ def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = 
               f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{COUNTED_IN})")
     marked = ""
     if mark is not None:
-        tt = (f"(SELECT t.*, k.{c.REQUEST_ID} IS NOT NULL AS marked FROM {tt} t LEFT JOIN {mark} k "
+        tt = (f"(SELECT t.*, false AS marked FROM {tt} t UNION ALL "
+              f"SELECT t.*, true AS marked FROM {tt} t JOIN {mark} k "
               f"ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{COUNTED_IN})")
         marked = ", t.marked"
     toward, floors = f"s.{c.TOKEN_INDEX}", ""
@@ -75,12 +78,51 @@ def span_pieces_sql(src: Source, only: str | None = None, *, mark: str | None = 
                 SELECT {c.REQUEST_ID}, {c.INSTANCE_ID}, MIN({c.TOKEN_INDEX}) AS first_emitted FROM srv_tokens
                 WHERE {c.EMIT_NS} IS NOT NULL GROUP BY {c.REQUEST_ID}, {c.INSTANCE_ID}
             ) e ON e.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND e.{c.INSTANCE_ID} = s.{c.INSTANCE_ID}"""
+    on = f"t.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} >= 0 AND t.{c.TOKEN_INDEX} = {toward}"
+    key = _token_key(src)
+    if key is not None:  # one BIGINT per token instead of two columns: a cheaper hash join
+        first, width, last = key
+        tt = f"(SELECT t.*, {_key_sql('t', first, width)} AS token_key FROM {tt} t)"
+        # a span outside the tokens' bounds matches no token: it gets no key (and no product that could overflow)
+        on = (f"t.token_key = CASE WHEN s.{c.TOKEN_INDEX} >= 0 AND s.{c.REQUEST_ID} BETWEEN ({first}) AND ({last}) "
+              f"AND {toward} < {width} THEN {_key_sql('s', first, width, toward)} END")
     return f"""
         SELECT s.{c.REQUEST_ID}, t.{COUNTED_IN} AS {c.TOKEN_INDEX}, s.{c.STAGE}, s.{c.INSTANCE_ID}, s.{c.START_NS},
                s.{c.END_NS}, GREATEST(s.{c.START_NS}, t.{OWN_START}) AS lo, LEAST(s.{c.END_NS}, t.{OWN_END}) AS hi{marked}
         FROM srv_spans s {floors}
-        JOIN {tt} t ON t.{c.REQUEST_ID} = s.{c.REQUEST_ID} AND s.{c.TOKEN_INDEX} >= 0 AND t.{c.TOKEN_INDEX} = {toward}
+        JOIN {tt} t ON {on}
     """
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _token_key(src: Source) -> tuple[int, int, int] | None:
+    """(first request id, width, last request id) of the delivered tokens, for one BIGINT key per token:
+    (request_id - first) * width + token_index, width above every token index; None when the tokens have a
+    negative index or the keys would not fit in a BIGINT (then the join keeps its two columns). Once per source."""
+    def bounds() -> tuple[int, int, int] | None:
+        c = col
+        row = src.fetchone(f"SELECT MIN({c.REQUEST_ID}), MAX({c.REQUEST_ID}), MIN({c.TOKEN_INDEX}), "
+                           f"MAX({c.TOKEN_INDEX}) FROM {token_times(src)}")
+        if row is None or any(v is None for v in row) or int(row[2]) < 0:
+            return None
+        first, last, width = int(row[0]), int(row[1]), int(row[3]) + 1
+        return (first, width, last) if (last - first + 1) * width <= _INT64_MAX else None
+    return src.cached("token_key", bounds)
+
+
+def token_key_sql(src: Source, alias: str) -> str | None:
+    """SQL of one BIGINT per token of row ``alias`` (its request_id and token_index those of a delivered token), the
+    same as the one :func:`span_pieces_sql` joins by; None when the tokens' bounds do not keep it in a BIGINT."""
+    key = _token_key(src)
+    return None if key is None else _key_sql(alias, key[0], key[1])
+
+
+def _key_sql(alias: str, first: int, width: int, index: str | None = None) -> str:
+    """The token key of :func:`_token_key` of row ``alias`` (``index``: its token index expression)."""
+    c = col
+    return f"({alias}.{c.REQUEST_ID} - ({first})) * {width} + {index or f'{alias}.{c.TOKEN_INDEX}'}"
 
 
 def _num_emitting_instances(src: Source) -> int:

@@ -32,9 +32,12 @@ breakdown, say). From the saved file, or from the fact built already, they are r
 through :func:`relation`; otherwise a fact that declares ``select_only`` builds just
 those rows (a per-token fact over a few thousand tokens costs a fraction of the
 whole), and any other fact is built whole first. The rows are the same either way.
-:func:`relation_and_rows` opens one fact and some rows of another through one pass
-over the run's tables when the first declares how (:attr:`Fact.rows_along`: the
-per-request stage sums and the tail tokens' per-token sums of a breakdown).
+:func:`summary_and_rows` gives a fact's rows summed per group of requests
+(:attr:`Fact.summary`) and some rows of another fact: read from the first fact's
+relation when it is at hand, else built in one pass over the run's tables without
+the fact's rows, when the fact declares how (:attr:`Fact.summary_along`: a breakdown's
+stage totals per group and its tail tokens' per-token sums, from a run nothing was
+derived for, cost one join of the spans to the tokens and a grouping into a few rows).
 
 This module imports no analysis (so the source and every analysis may import it).
 """
@@ -51,7 +54,7 @@ from tokentrace.schema import SCHEMA_VERSION, Column, Stage
 from tokentrace.store.derived import DerivedFile, read_derived
 
 __all__ = ["Fact", "FORMAT_VERSION", "format_key", "saved_metadata", "attach", "relation", "rows_for",
-           "relation_and_rows", "stream_rows",
+           "summary_and_rows", "stream_rows",
            "read_from",
            "is_at_hand", "is_saved", "i64", "i32", "i8", "f64", "text", "boolean", "SQL_TYPES"]
 
@@ -103,10 +106,13 @@ class Fact:
     ``keys``: the declared columns that identify a row (what :func:`rows_for` selects rows by).
     ``select_only(src, keys)``: a SQL ``SELECT`` of just the rows whose ``keys`` are in relation ``keys`` (distinct
     key tuples, maybe other columns): the same rows as ``select`` gives for them, built without the others.
-    ``rows_along``: ``(other, build_both)`` when one pass over the run's tables can build this fact and some rows
-    of fact ``other``: ``build_both(src, table, keys, rows)`` materializes this fact as temporary table ``table``
-    and ``other``'s rows for the keys in relation ``keys`` (those :func:`rows_for` gives) as temporary table
-    ``rows`` (:func:`relation_and_rows`).
+    ``summary(src, rows, groups)``: a SQL ``SELECT`` of the fact's rows summed per group of requests: ``rows`` a
+    relation of the fact's rows, ``groups`` a relation of (request_id, grp) pairs, or None: one group, grp 0, of
+    every row.
+    ``summary_along``: ``(other, build)`` when one pass over the run's tables can build that summary without the
+    fact's rows, and some rows of fact ``other``: ``build(src, groups, keys, table, rows)`` materializes the
+    summary as temporary table ``table`` and ``other``'s rows for the keys in relation ``keys`` (those
+    :func:`rows_for` gives) as temporary table ``rows`` (:func:`summary_and_rows`).
     """
 
     name: str
@@ -116,7 +122,8 @@ class Fact:
     build: Callable[[Any, str], None] | None = None
     keys: tuple[str, ...] = ()
     select_only: Callable[[Any, str], str] | None = None
-    rows_along: "tuple[Fact, Callable[[Any, str, str, str], None]] | None" = None
+    summary: Callable[[Any, str, str | None], str] | None = None
+    summary_along: "tuple[Fact, Callable[[Any, str | None, str, str, str], None]] | None" = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -130,8 +137,8 @@ class Fact:
             raise ValueError(f"fact {self.name}: keys {self.keys} are not all declared columns")
         if self.select_only is not None and not self.keys:
             raise ValueError(f"fact {self.name}: select_only needs keys")
-        if self.rows_along is not None and not self.rows_along[0].keys:
-            raise ValueError(f"fact {self.name}: rows_along needs a fact with keys")
+        if self.summary_along is not None and (self.summary is None or not self.summary_along[0].keys):
+            raise ValueError(f"fact {self.name}: summary_along needs a summary and a fact with keys")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -216,19 +223,19 @@ def rows_for(src: Any, fact: Fact, keys: str) -> str:
             f"FROM {relation(src, fact)} w JOIN {keys} k ON {on}")
 
 
-def relation_and_rows(src: Any, fact: Fact, other: Fact, keys: str) -> tuple[str, str]:
-    """:func:`relation` of ``fact`` and :func:`rows_for` of ``other`` for the keys in relation ``keys``, the same
-    rows; built in one pass over the run's tables when neither fact is at hand (:func:`is_at_hand`) and ``fact``
-    declares how (:attr:`Fact.rows_along`), else each through its own door."""
-    along = fact.rows_along
-    if along is None or along[0] is not other or is_at_hand(src, fact) or is_at_hand(src, other):
-        return relation(src, fact), rows_for(src, other, keys)
-    rows = f"{other.name}_rows"  # replaced by the next call (a rows_for result is not kept either)
-
-    def open_() -> str:
-        along[1](src, fact.name, keys, rows)
-        return fact.name
-    return src.cached(_door_key(fact), open_), other.rows_sql(rows)
+def summary_and_rows(src: Any, fact: Fact, groups: str | None, other: Fact, keys: str) -> tuple[str, str]:
+    """:attr:`Fact.summary` of ``fact`` per ``groups`` (a relation of (request_id, grp) pairs, or None: one group)
+    and :func:`rows_for` of ``other`` for the keys in relation ``keys``: from ``fact``'s relation when it is at hand
+    (:func:`is_at_hand`) or declares no way along ``other``, else both built in one pass over the run's tables
+    (:attr:`Fact.summary_along`), without ``fact``'s rows. The same sums and rows either way."""
+    if fact.summary is None:
+        raise ValueError(f"fact {fact.name} declares no summary")
+    along = fact.summary_along
+    if along is None or along[0] is not other or is_at_hand(src, fact):
+        return f"({fact.summary(src, relation(src, fact), groups)})", rows_for(src, other, keys)
+    table, rows = f"{fact.name}_summary", f"{other.name}_rows"  # replaced by the next call (not kept)
+    along[1](src, groups, keys, table, rows)
+    return table, other.rows_sql(rows)
 
 
 def stream_rows(src: Any, fact: Fact, batch_rows: int) -> Any:

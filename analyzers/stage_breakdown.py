@@ -28,7 +28,7 @@ import pandas as pd
 import pyarrow as pa
 
 from analyzers import facts
-from analyzers.attribution import span_pieces_sql
+from analyzers.attribution import span_pieces_sql, token_key_sql
 from analyzers.attribution import unattributed_share as signed_unattributed_share
 from analyzers.groups import group_column, group_sql
 from analyzers.source import Source
@@ -86,82 +86,112 @@ TOKEN_STAGE_NS = facts.Fact(
     select=_token_stage_sql, keys=(col.REQUEST_ID, col.TOKEN_INDEX), select_only=_token_stage_sql)
 
 
-_SPAN_STAGE_SUMS = "span_stage_sums"  # temp table of one pass over the spans (dropped after use)
-_UNMARKED = -1  # span_stage_sums.token of the pieces counted in a token that is not marked
-
-
-def _span_stage_sums(src: Source, marked: str | None) -> None:
-    """Temp table :data:`_SPAN_STAGE_SUMS`: the spans' clipped time (:func:`analyzers.attribution.span_pieces_sql`)
-    summed per request, stage, recording instance and ``token``: the token it counts in when that token is in
-    relation ``marked`` (distinct (request_id, token_index) pairs), else -1; with ``first_ns``, the part of it
-    counted in token 0's interval (null without any), and ``first_start_ns``, that part's earliest moment.
-
-    One pass over the spans gives both the per-request sums and the marked tokens' own rows: a few groups more
-    than the requests' alone, never one per token. Each group's sums are BIGINT already: every piece is >= 0, so a
-    group's sum is at most its request's, which the fact declares BIGINT (an overflow raises either way), and the
-    regrouping per role adds BIGINTs instead of 128-bit sums."""
+def _build_request_stage_ns(src: Source, table: str) -> None:
+    """Materialize :data:`REQUEST_STAGE_NS` as ``table``: the spans' clipped time
+    (:func:`analyzers.attribution.span_pieces_sql`) summed per request, stage and role of the recording instance,
+    in one pass over the spans. Each group's sums are BIGINT: every piece is >= 0, so a group's sum is at most its
+    request's, which the fact declares BIGINT (an overflow raises either way)."""
     c = col
-    token = (f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} ELSE {_UNMARKED} END" if marked is not None
-             else str(_UNMARKED))
-    by_token = f", {token}" if marked is not None else ""  # (a constant is no group key: GROUP BY -1 is a position)
+    role, instances = _role_sql(src, f"p.{c.INSTANCE_ID}")
     first = f"p.{c.TOKEN_INDEX} = 0 AND p.hi > p.lo"
-    src.execute(f"""
-        CREATE OR REPLACE TEMP TABLE {_SPAN_STAGE_SUMS} AS
-        SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}, {token} AS token,
+    summed = f"""(
+        SELECT p.{c.REQUEST_ID}, p.{c.STAGE}, CASE WHEN {role} >= 0 THEN {role} END AS {c.ROLE},
                CAST(SUM(GREATEST(0, p.hi - p.lo)) AS BIGINT) AS ns,
                CAST(SUM(p.hi - p.lo) FILTER (WHERE {first}) AS BIGINT) AS first_ns,
                MIN(p.lo) FILTER (WHERE {first}) AS first_start_ns
-        FROM ({span_pieces_sql(src, mark=marked)}) p
+        FROM ({span_pieces_sql(src)}) p {instances}
         WHERE p.{c.STAGE} IS NOT NULL
-        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, p.{c.INSTANCE_ID}{by_token}
-    """)
+        GROUP BY p.{c.REQUEST_ID}, p.{c.STAGE}, {role}
+    )"""
+    src.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS {REQUEST_STAGE_NS.rows_sql(summed)}")
 
 
-def _request_stage_sql() -> str:
-    """Per request, stage and role of the recording instance, from :data:`_SPAN_STAGE_SUMS`: the time the spans
-    count in the request's token intervals, and the part of it in token 0's interval (TTFT) with its earliest
-    moment (instances joined to the sums, not to every span)."""
+_ROLE_CASES = 16  # instances up to which a span's role is a CASE over its instance id rather than a join
+
+
+def _role_sql(src: Source, instance: str) -> tuple[str, str]:
+    """The role of the instance ``instance`` (an expression) as an expression, -1 for an instance missing from the
+    instances table or without a role, and the join clause it needs (alias ``i``; empty for a CASE): a run's few
+    instances are spelt out in a CASE, so that no span row crosses a join."""
     c = col
-    role = f"COALESCE(i.{c.ROLE}, -1)"  # a missing instance's role joins as -1, is null in the result
+    rows = src.cached("instance_roles", lambda: src.df(f"SELECT {c.INSTANCE_ID}, {c.ROLE} FROM instances"))
+    ids = rows[c.INSTANCE_ID].dropna().astype("int64").tolist()
+    if len(rows) > _ROLE_CASES or len(ids) != len(rows) or len(set(ids)) != len(ids):
+        return f"COALESCE(i.{c.ROLE}, -1)", f"LEFT JOIN instances i ON i.{c.INSTANCE_ID} = {instance}"
+    if not ids:
+        return "-1", ""
+    roles = [-1 if pd.isna(r) else int(r) for r in rows[c.ROLE]]
+    return "CASE " + instance + "".join(f" WHEN {i} THEN {r}" for i, r in zip(ids, roles)) + " ELSE -1 END", ""
+
+
+def _stage_totals_sql(src: Source, rows: str, groups: str | None) -> str:
+    """:attr:`REQUEST_STAGE_NS`'s summary: per group of requests (``groups``: (request_id, grp) pairs, or None: one
+    group, grp 0) and stage, ``ns`` and ``first_ns`` summed (a request without a token-0 part adds 0), from
+    relation ``rows`` of the fact's rows."""
+    c = col
+    grp, join = ("g.grp", f" JOIN {groups} g ON g.{c.REQUEST_ID} = w.{c.REQUEST_ID}") if groups else ("0", "")
+    # (a constant is no group key: GROUP BY 0 is a position)
     return f"""
-        WITH summed AS (
-            SELECT s.{c.REQUEST_ID}, s.{c.STAGE}, {role} AS role, SUM(s.ns) AS ns, SUM(s.first_ns) AS first_ns,
-                   MIN(s.first_start_ns) AS first_start_ns
-            FROM {_SPAN_STAGE_SUMS} s LEFT JOIN instances i USING ({c.INSTANCE_ID})
-            GROUP BY s.{c.REQUEST_ID}, s.{c.STAGE}, {role}
-        )
-        SELECT {c.REQUEST_ID}, {c.STAGE}, CASE WHEN role >= 0 THEN role END AS {c.ROLE}, ns, first_ns, first_start_ns
-        FROM summed
+        SELECT {grp} AS grp, w.{c.STAGE}, SUM(w.ns) AS ns, SUM(COALESCE(w.first_ns, 0)) AS first_ns
+        FROM {rows} w{join} GROUP BY {"g.grp, " if groups else ""}w.{c.STAGE}
     """
 
 
-def _marked_token_stage_sql(src: Source, marked: str) -> str:
-    """The :data:`TOKEN_STAGE_NS` rows of the tokens in relation ``marked``, from :data:`_SPAN_STAGE_SUMS` (built
-    with those marks)."""
+_PIECE_SUMS = "stage_piece_sums"  # temp table of one pass over the spans (dropped after use)
+
+
+def _stage_totals_along(src: Source, groups: str | None, keys: str, table: str, rows: str) -> None:
+    """:func:`_stage_totals_sql`'s sums as temp table ``table`` and the :data:`TOKEN_STAGE_NS` rows of the tokens in
+    relation ``keys`` as temp table ``rows``, in one pass over the spans and without a row per request: the spans'
+    clipped time summed per group, stage and whether it counts in token 0 (the per-request sums summed again are
+    these, the same integers), and, for the pieces counting in a token of ``keys`` (joined once more:
+    :func:`analyzers.attribution.span_pieces_sql`'s ``mark``), per token and stage. The per-request groups of a
+    large run cost more than the join itself; the groups of requests are joined to the spans instead (one row per
+    request, small)."""
+    c = col
+    grp, join = ("g.grp", f" JOIN {groups} g ON g.{c.REQUEST_ID} = p.{c.REQUEST_ID}") if groups else ("0", "")
+    key = token_key_sql(src, "p")  # a marked piece's token as one group key when it fits a BIGINT
+    marks = ([f"CASE WHEN p.marked THEN {key} END AS token_key"] if key is not None else
+             [f"CASE WHEN p.marked THEN p.{c.REQUEST_ID} END AS {c.REQUEST_ID}",
+              f"CASE WHEN p.marked THEN p.{c.TOKEN_INDEX} END AS {c.TOKEN_INDEX}"])
+    first = f"p.{c.TOKEN_INDEX} = 0"
+    by = [f"p.{c.STAGE}", first] + [m.rsplit(" AS ", 1)[0] for m in marks]
+    src.execute(f"""
+        CREATE OR REPLACE TEMP TABLE {_PIECE_SUMS} AS
+        SELECT {grp} AS grp, p.{c.STAGE}, {first} AS first, {", ".join(marks)}, SUM(GREATEST(0, p.hi - p.lo)) AS ns
+        FROM ({span_pieces_sql(src, mark=keys)}) p{join}
+        WHERE p.{c.STAGE} IS NOT NULL
+        GROUP BY {"g.grp, " if groups else ""}{", ".join(by)}
+    """)
+    unmarked = marks[0].rsplit(" AS ", 1)[1] + " IS NULL"
+    src.execute(f"""
+        CREATE OR REPLACE TEMP TABLE {table} AS
+        SELECT grp, {c.STAGE}, SUM(ns) AS ns, COALESCE(SUM(CASE WHEN first THEN ns END), 0) AS first_ns
+        FROM {_PIECE_SUMS} WHERE {unmarked} GROUP BY grp, {c.STAGE}
+    """)
+    src.execute(f"CREATE OR REPLACE TEMP TABLE {rows} AS {TOKEN_STAGE_NS.rows_sql(f'({_keyed_rows_sql(src, keys)})')}")
+    src.execute(f"DROP TABLE IF EXISTS {_PIECE_SUMS}")
+
+
+def _keyed_rows_sql(src: Source, keys: str) -> str:
+    """The :data:`TOKEN_STAGE_NS` rows of the tokens in relation ``keys``, from :data:`_PIECE_SUMS`."""
     c = col
     sums = ", ".join(f"SUM(CASE WHEN s.{c.STAGE} = {int(st)} THEN s.ns ELSE 0 END) AS {stage_column(st)}"
                      for st in Stage)
     filled = ", ".join(f"COALESCE(w.{stage_column(st)}, 0) AS {stage_column(st)}" for st in Stage)
+    key = token_key_sql(src, "t")
+    by = ["token_key"] if key is not None else [c.REQUEST_ID, c.TOKEN_INDEX]
+    on = (f"w.token_key = {key}" if key is not None else
+          f"w.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND w.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}")
     return f"""
         SELECT t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY}, {filled}
         FROM {token_times(src)} t
-        JOIN {marked} k ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+        JOIN {keys} k ON k.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND k.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
         LEFT JOIN (
-            SELECT s.{c.REQUEST_ID}, s.token AS {c.TOKEN_INDEX}, {sums}
-            FROM {_SPAN_STAGE_SUMS} s WHERE s.token >= 0 GROUP BY s.{c.REQUEST_ID}, s.token
-        ) w ON w.{c.REQUEST_ID} = t.{c.REQUEST_ID} AND w.{c.TOKEN_INDEX} = t.{c.TOKEN_INDEX}
+            SELECT {", ".join(f"s.{b}" for b in by)}, {sums}
+            FROM {_PIECE_SUMS} s WHERE s.{by[0]} IS NOT NULL GROUP BY {", ".join(f"s.{b}" for b in by)}
+        ) w ON {on}
     """
-
-
-def _build_request_stage_ns(src: Source, table: str, marked: str | None = None, rows: str | None = None) -> None:
-    """Materialize :data:`REQUEST_STAGE_NS` as ``table`` and, given ``marked`` and ``rows``, the
-    :data:`TOKEN_STAGE_NS` rows of the tokens in relation ``marked`` as ``rows``: one pass over the spans."""
-    _span_stage_sums(src, marked)
-    src.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS {REQUEST_STAGE_NS.rows_sql(f'({_request_stage_sql()})')}")
-    if marked is not None and rows is not None:
-        src.execute(f"CREATE OR REPLACE TEMP TABLE {rows} AS "
-                    f"{TOKEN_STAGE_NS.rows_sql(f'({_marked_token_stage_sql(src, marked)})')}")
-    src.execute(f"DROP TABLE IF EXISTS {_SPAN_STAGE_SUMS}")
 
 
 REQUEST_STAGE_NS = facts.Fact(
@@ -176,7 +206,8 @@ REQUEST_STAGE_NS = facts.Fact(
                      "token it counts in), summed; ns."),
      facts.i64("first_ns", "Their time counted in token 0's interval (TTFT); null without any; ns."),
      facts.i64("first_start_ns", "The earliest moment of that time; ns, reference clock.")),
-    build=_build_request_stage_ns, rows_along=(TOKEN_STAGE_NS, _build_request_stage_ns))
+    build=_build_request_stage_ns, summary=_stage_totals_sql,
+    summary_along=(TOKEN_STAGE_NS, _stage_totals_along))
 
 
 def request_stage_ns(src: Source) -> str:
@@ -184,14 +215,18 @@ def request_stage_ns(src: Source) -> str:
     return facts.relation(src, REQUEST_STAGE_NS)
 
 
-def _tokens_sql(src: Source, g: str) -> str:
-    """SQL of every delivered token: request, index, latency (lat), group (grp), first?"""
+_GROUPS = "bd_groups"  # temp table of a breakdown's groups: one row per request, (request_id, grp)
+
+
+def _tokens_sql(src: Source, groups: str | None) -> str:
+    """SQL of every delivered token: request, index, latency (lat), group (grp: 0 without ``groups``), first?"""
     c = col
-    columns = f"t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat, {g} AS grp, t.{c.TOKEN_INDEX} = 0 AS first"
+    grp = "g.grp" if groups else "0"
+    columns = f"t.{c.REQUEST_ID}, t.{c.TOKEN_INDEX}, t.{LATENCY} AS lat, {grp} AS grp, t.{c.TOKEN_INDEX} = 0 AS first"
     tt = token_times(src)
-    if g == "0":
+    if groups is None:
         return f"SELECT {columns} FROM {tt} t"
-    return f"SELECT {columns} FROM {tt} t JOIN {request_table(src)} f USING ({c.REQUEST_ID})"
+    return f"SELECT {columns} FROM {tt} t JOIN {groups} g ON g.{c.REQUEST_ID} = t.{c.REQUEST_ID}"
 
 
 def token_stage_ns(src: Source) -> str:
@@ -257,30 +292,26 @@ def token_spans(src: Source) -> str:
     return src.cached("token_spans", build)
 
 
-def _sums(src: Source, tokens: str, g: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _sums(src: Source, tokens: str, groups: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per (group, kind): tokens, summed latency and tail latency (``tot``); per (group, kind, stage): the stage time
     of all the tokens and of the tail tokens (``per``).
 
-    All tokens' stage time is the requests' (:data:`REQUEST_STAGE_NS`: token 0's part is TTFT's, the rest ITL's,
-    the same clipped time the per-token sums hold); the tail tokens' is read from their rows of
-    :data:`TOKEN_STAGE_NS` only. Both through :func:`analyzers.facts.relation_and_rows`: a run without saved facts
-    builds them in one pass over the spans (the per-request sums and the tail tokens' rows, not one row per token
-    of the run)."""
+    All tokens' stage time is the requests' summed per group (:data:`REQUEST_STAGE_NS`'s summary: token 0's part
+    is TTFT's, the rest ITL's, the same clipped time the per-token sums hold); the tail tokens' is read from their
+    rows of :data:`TOKEN_STAGE_NS` only. Both through :func:`analyzers.facts.summary_and_rows`: a run without saved
+    facts builds them in one pass over the spans (the sums per group and the tail tokens' rows, neither a row per
+    request nor one per token of the run). ``groups``: the requests' groups (:data:`_GROUPS`), None for one."""
     c = col
     every = src.df("SELECT grp, first, n, lat FROM bd_cut")
     lowest = src.scalar("SELECT MIN(cut_lat) FROM bd_cut")
     candidates = f"SELECT * FROM ({tokens}) c WHERE c.lat >= {int(lowest) if lowest is not None else 0}"
     src.execute(f"CREATE OR REPLACE TEMP TABLE bd_tail AS SELECT {c.REQUEST_ID}, {c.TOKEN_INDEX}, grp, first, lat "
                 f"FROM ({_with_tail(candidates)}) k WHERE k.tail")
-    per_request, tail_rows = facts.relation_and_rows(src, REQUEST_STAGE_NS, TOKEN_STAGE_NS, "bd_tail")
+    summed, tail_rows = facts.summary_and_rows(src, REQUEST_STAGE_NS, groups, TOKEN_STAGE_NS, "bd_tail")
     known = ", ".join(str(int(st)) for st in Stage)
-    first_ns = "COALESCE(w.first_ns, 0)"
-    join = "" if g == "0" else f" JOIN {request_table(src)} f USING ({c.REQUEST_ID})"
     totals = src.df(f"""
-        SELECT {g} AS grp, w.{c.STAGE} AS stage, SUM({first_ns})::DOUBLE AS ttft_ns,
-               SUM(w.ns - {first_ns})::DOUBLE AS itl_ns
-        FROM {per_request} w{join}
-        WHERE w.{c.STAGE} IN ({known}) GROUP BY ALL
+        SELECT w.grp, w.{c.STAGE} AS stage, w.first_ns::DOUBLE AS ttft_ns, (w.ns - w.first_ns)::DOUBLE AS itl_ns
+        FROM {summed} w WHERE w.{c.STAGE} IN ({known})
     """)
     stage_sums = "".join(f", SUM(w.{stage_column(st)})::DOUBLE AS ns_{i}" for i, st in enumerate(Stage))
     tail = src.df(f"""
@@ -322,10 +353,15 @@ def breakdown(src: Source, *, by: str | None = None, window_s: float | None = No
         b = run_bounds(src)
         start = b[0] if b else 0
     g = group_sql(by, window_s, alias="f", start_ns=start)
-    tokens = _tokens_sql(src, g)
+    groups = None
+    if g != "0":  # each request's group once
+        groups = _GROUPS
+        src.execute(f"CREATE OR REPLACE TEMP TABLE {groups} AS "
+                    f"SELECT f.{col.REQUEST_ID}, {g} AS grp FROM {request_table(src)} f")
+    tokens = _tokens_sql(src, groups)
     _tail_cuts(src, tokens, tail_fraction)
-    tot, per = _sums(src, tokens, g)
-    src.execute("DROP TABLE IF EXISTS bd_cut")
+    tot, per = _sums(src, tokens, groups)
+    src.execute(f"DROP TABLE IF EXISTS bd_cut; DROP TABLE IF EXISTS {_GROUPS}")
     groups = sorted(tot["grp"].unique().tolist()) if gcol is not None else [0]
     result = _assemble(groups, tot, per)
     if gcol is not None:

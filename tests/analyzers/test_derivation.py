@@ -262,35 +262,47 @@ def assert_saved_equal_built(run_path: Path, engine: object = None) -> None:
             _assert_same(a, b, f"{run_path.name}: {fact.name}")
             if fact.select_only is not None:
                 _assert_some_rows_same(fact, a, saved, alone, f"{run_path.name}: {fact.name}")
-            if fact.rows_along is not None:
-                _assert_built_along_same(fact, a, saved, run, engine, f"{run_path.name}: {fact.name}")
+            if fact.summary_along is not None:
+                _assert_summary_along_same(fact, a, saved, run, engine, f"{run_path.name}: {fact.name}")
     finally:
         saved.close()
         built.close()
         alone.close()
 
 
-def _assert_built_along_same(fact: facts.Fact, rows: pd.DataFrame, saved: Source, run: object, engine: object,
-                             where: str) -> None:
-    """Built in one pass with some rows of the fact it declares (:func:`analyzers.facts.relation_and_rows`): the
-    fact's rows are its saved rows, and the other fact's rows are its saved rows for every third key."""
-    other = fact.rows_along[0]
+def _assert_summary_along_same(fact: facts.Fact, rows: pd.DataFrame, saved: Source, run: object, engine: object,
+                               where: str) -> None:
+    """Summed in one pass with some rows of the fact it declares (:func:`analyzers.facts.summary_and_rows`), without
+    the fact's rows: the summary is that of its saved rows (requests in three groups, and in one), and the other
+    fact's rows are its saved rows for every third key."""
+    other = fact.summary_along[0]
     saved_other = fact_rows(saved, other)
     some = saved_other[list(other.keys)].iloc[::3].drop_duplicates().reset_index(drop=True)
     expected = saved_other.merge(some, on=list(other.keys)).sort_values(list(other.names), kind="stable")
     assert len(some) and len(expected) == len(some), where
-    along = Source.of_run(run, engine=engine)
-    along._cache["saved_facts"] = {}
-    try:
-        along.register("some_keys", some)
-        assert not facts.is_at_hand(along, fact) and not facts.is_at_hand(along, other), where
-        _, got_rows = facts.relation_and_rows(along, fact, other, "some_keys")
-        got = along.df(got_rows).sort_values(list(other.names), kind="stable").reset_index(drop=True)
-        _assert_same(expected.reset_index(drop=True), got, f"{where}: rows of {other.name} along")
-        assert facts.is_at_hand(along, fact) and not facts.is_at_hand(along, other), where  # one pass, not whole
-        _assert_same(rows, fact_rows(along, fact), f"{where}: built along {other.name}")
-    finally:
-        along.close()
+    requests = rows[[col.REQUEST_ID]].drop_duplicates().reset_index(drop=True)
+    grouped = requests.assign(grp=requests[col.REQUEST_ID] % 3)
+    for groups in (None, "some_groups"):
+        along = Source.of_run(run, engine=engine)
+        along._cache["saved_facts"] = {}
+        try:
+            for src in (along, saved):
+                src.register("some_keys", some)
+                src.register("some_groups", grouped)
+            assert not facts.is_at_hand(along, fact) and not facts.is_at_hand(along, other), where
+            summary, got_rows = facts.summary_and_rows(along, fact, groups, other, "some_keys")
+            got = along.df(got_rows).sort_values(list(other.names), kind="stable").reset_index(drop=True)
+            _assert_same(expected.reset_index(drop=True), got, f"{where}: rows of {other.name} along")
+            assert not facts.is_at_hand(along, fact) and not facts.is_at_hand(along, other), where  # neither whole
+            from_saved, _ = facts.summary_and_rows(saved, fact, groups, other, "some_keys")
+            a, b = (s.df(f"SELECT * FROM {q} x").sort_values(["grp", col.STAGE]).reset_index(drop=True)
+                    for s, q in ((saved, from_saved), (along, summary)))
+            assert len(a) and list(a.columns) == list(b.columns), where
+            _assert_same(a, b, f"{where}: summary of {fact.name} along {other.name} ({groups})")
+        finally:
+            saved.unregister("some_keys")
+            saved.unregister("some_groups")
+            along.close()
 
 
 def _assert_some_rows_same(fact: facts.Fact, rows: pd.DataFrame, saved: Source, alone: Source, where: str) -> None:
@@ -329,3 +341,25 @@ def test_a_fact_is_declared_once() -> None:
     assert len(set(names)) == len(names)
     for fact in FACTS:
         assert len(set(fact.names)) == len(fact.names), fact.name
+
+
+@pytest.mark.parametrize("name", ["offsets", "real"])
+def test_a_breakdown_of_the_part_files_is_that_of_the_saved_facts(runs: dict[str, Path], name: str) -> None:
+    """The breakdown of a run nothing derived facts for sums the spans per group in one pass (no per-request
+    rows: the fact stays unbuilt) and gives what the saved per-request facts give, grouped or not."""
+    from analyzers.stage_breakdown import REQUEST_STAGE_NS, breakdown
+
+    run = open_run(runs[name].parent, runs[name].name)
+    derive(run)
+    for params in ({}, {"by": "tenant"}, {"by": "instance"}, {"window_s": 0.5}):
+        saved, parts = Source.of_run(run), Source.of_run(run)
+        parts._cache["saved_facts"] = {}
+        try:
+            assert facts.is_saved(saved, REQUEST_STAGE_NS)
+            expected, got = breakdown(saved, **params), breakdown(parts, **params)
+            assert not facts.is_at_hand(parts, REQUEST_STAGE_NS), params
+            assert len(got) and not got.drop(columns="stage").isna().all().all(), params
+            _assert_same(expected, got, f"{name}: breakdown {params}")
+        finally:
+            saved.close()
+            parts.close()

@@ -120,3 +120,66 @@ def test_stage_shares_sum_to_one(make_store, run):
                 assert g[column].sum() == pytest.approx(1.0)
             else:
                 assert g[column].isna().all()
+
+
+def _spread_run(h, ids: list[int]):
+    """Requests ``ids``, each: token 0 (queue, then a prefill overrunning it by 0.5 ms), tokens 1 and 2 (the
+    second's decode starts 0.5 ms before its interval); a span of a token never delivered and one of a request
+    without tokens count nowhere."""
+    for n, rid in enumerate(ids):
+        a = 10.0 * n
+        h.request(rid, a, a + 6, tenant=f"t{n % 2}").tokens(rid, [a + 4, a + 5, a + 6])
+        h.span(rid, Stage.SCHEDULE_QUEUE, a, a + 3, 0).span(rid, Stage.PREFILL_COMPUTE, a + 3, a + 4.5, 0)
+        h.span(rid, Stage.DECODE_COMPUTE, a + 4, a + 5, 1).span(rid, Stage.DECODE_COMPUTE, a + 4.5, a + 6, 2)
+    h.span(ids[0], Stage.DECODE_COMPUTE, 0, 1, 7)
+    h.span(2**62 + 5, Stage.DECODE_COMPUTE, 0, 1, 0)
+    return h.source()
+
+
+def test_join_key_falls_back_when_it_would_overflow(make_store):
+    """Spans find their tokens by one BIGINT key when (request id span) * (token indexes) fits, else by two
+    columns: the same breakdown either way, and a span outside the tokens' bounds counts nowhere in both."""
+    from analyzers.attribution import _token_key
+
+    small, spread = _spread_run(make_store(), [1, 2]), _spread_run(make_store(), [1, 2**62])
+    assert _token_key(small) == (1, 3, 2)
+    assert _token_key(spread) is None  # 2**62 request ids times 3 token indexes exceed a BIGINT
+    a, b = breakdown(small, by="tenant"), breakdown(spread, by="tenant")
+    assert a.equals(b)
+    queue = a[a[col.TENANT] == "t0"].set_index("stage").loc["schedule.queue"]
+    assert queue["ttft_share"] == pytest.approx(3 / 4) and queue["ttft_mean_ms"] == pytest.approx(3.0)
+    decode = a[a[col.TENANT] == "t0"].set_index("stage").loc["decode.compute"]
+    assert decode["itl_share"] == pytest.approx(2 / 2)  # token 2's decode clipped to its 1 ms interval
+
+
+def _request_stage_rows(src) -> list[tuple]:
+    from analyzers.stage_breakdown import request_stage_ns
+
+    c = col
+    rows = src.arrow(f"SELECT {c.REQUEST_ID}, {c.STAGE}, {c.ROLE}, ns, first_ns, first_start_ns "
+                     f"FROM {request_stage_ns(src)} ORDER BY {c.STAGE}").to_pylist()
+    return [tuple(r.values()) for r in rows]
+
+
+def test_roles_by_case_and_by_join_agree(handmade, monkeypatch):
+    """A run's few instances give a span its role by a CASE, many by a join to the instances: the same rows, two
+    instances of one role summed together, an instance missing from the instances table with a null role."""
+    import analyzers.stage_breakdown as sb
+    from tokentrace.schema import Role
+
+    h = handmade
+    for iid in range(1, sb._ROLE_CASES + 2):
+        h.instance(iid, Role.PREFILL if iid % 2 else Role.DECODE)
+    h.request(1, 0, 10).tokens(1, [6, 10], inst=2)
+    h.span(1, Stage.PREFILL_COMPUTE, 0, 4, 0, inst=1).span(1, Stage.PREFILL_COMPUTE, 4, 6, 0, inst=3)
+    h.span(1, Stage.DECODE_COMPUTE, 6, 10, 1, inst=2).span(1, Stage.DETOKENIZE, 5, 6, 0, inst=99)
+    ms = 1_000_000
+    expected = [(1, int(Stage.PREFILL_COMPUTE), int(Role.PREFILL), 6 * ms, 6 * ms, 0),
+                (1, int(Stage.DECODE_COMPUTE), int(Role.DECODE), 4 * ms, None, None),
+                (1, int(Stage.DETOKENIZE), None, 1 * ms, 1 * ms, 5 * ms)]
+    expected.sort(key=lambda r: r[1])
+    joined = _request_stage_rows(h.source())
+    monkeypatch.setattr(sb, "_ROLE_CASES", 4 * sb._ROLE_CASES)
+    assert sb._role_sql(h.source(), "x")[1] == ""  # a CASE now
+    cased = _request_stage_rows(h.source())
+    assert joined == cased == expected
