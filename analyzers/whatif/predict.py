@@ -26,7 +26,7 @@ from analyzers.whatif.trace import EngineSpec, RunTrace, read_trace
 from tokentrace.schema import Role
 
 __all__ = ["SETTINGS", "WhatIf", "Prediction", "SweepResult", "fit_whatif", "parse_setting", "parse_sweep",
-           "check_settings", "crossing", "extrapolation", "SLO_METRIC", "NUM_REPLAYS"]
+           "check_settings", "crossing", "crossing_noise", "extrapolation", "SLO_METRIC", "NUM_REPLAYS"]
 
 SETTINGS: dict[str, str] = {
     "rate_scale": "multiply the request rate (arrival gaps divided by it), > 0",
@@ -386,6 +386,23 @@ def crossing(values: list[float], shares: list[float], target: float) -> float |
         if s0 >= target > s1:
             return v0 + (v1 - v0) * (s0 - target) / (s0 - s1)
     return None
+
+
+def crossing_noise(values: list[float], met: list[np.ndarray], target: float, *, resamples: int = 2000,
+                   seed: int = 0) -> tuple[np.ndarray, list[float]]:
+    """How much :func:`crossing` moves when each value's share is that of a few requests (``met``: per value, each
+    request's verdict): the crossings over ``resamples`` resamplings of every value's requests with replacement
+    (seeded; those that cross in range), and the crossings with one request's verdict changed at one value."""
+    rng = np.random.default_rng(seed)
+    flags = [np.asarray(m, dtype=float) for m in met]
+    boot = [crossing(values, [float(rng.choice(f, f.size).mean()) for f in flags], target) for _ in range(resamples)]
+    shares = [float(f.mean()) for f in flags]
+    flipped = []
+    for i, f in enumerate(flags):
+        for d in (-1.0, 1.0):
+            if 0.0 <= shares[i] + d / f.size <= 1.0:
+                flipped.append(crossing(values, [*shares[:i], shares[i] + d / f.size, *shares[i + 1:]], target))
+    return np.array([b for b in boot if b is not None]), [v for v in flipped if v is not None]
 
 
 def _mean(values: list[float]) -> float:
