@@ -379,8 +379,9 @@ def _latency_error(w: WhatIf) -> float:
 
 def crossing(values: list[float], shares: list[float], target: float) -> float | None:
     """Where ``shares`` (falling as ``values`` rise) first drop below ``target``, linearly interpolated
-    between the last value at or above it and the first below; None when the first value is already below or
-    none is."""
+    between the last value at or above it and the first below (a share below the target before one at or above it,
+    as a measured curve's can be, is passed over); None when no share at or above the target is followed by one
+    below."""
     points = sorted((v, s) for v, s in zip(values, shares) if math.isfinite(s))
     for (v0, s0), (v1, s1) in zip(points, points[1:]):
         if s0 >= target > s1:

@@ -17,6 +17,7 @@ import pytest
 from analyzers.latency import latency
 from analyzers.slo import SloTargets
 from analyzers.whatif import WhatIf, fit_whatif
+from analyzers.whatif.predict import crossing, crossing_noise
 from analyzers.whatif.models import FittedModels, StageCosts, StepTimeModel, nonnegative_lstsq
 from analyzers.whatif.simulate import Arrival, Deployment, EngineSetup, StepRecord, simulate
 from analyzers.whatif.trace import StepRows
@@ -259,3 +260,18 @@ def test_a_prediction_does_not_depend_on_where_in_the_run_the_machine_was_slow(h
         a, b = (x.predict(settings).metrics for x in (early, later))
         for name in ("ttft.p50", "ttft.p99", "tpot.p50", "tpot.p99", "e2e.p99", "slo.all.attainment"):
             assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-9), name
+
+
+def test_the_break_is_interpolated_and_its_noise_is_that_of_the_requests_behind_each_share():
+    """30 requests a rate: one request's verdict is 3.3 points, and moves the break from 1.0 to 0.875 or 1.03."""
+    met = [np.ones(30, bool), np.arange(30) < 27, np.arange(30) < 10]  # 100%, 90%, 33% at 0.5, 1 and 1.5
+    assert crossing([0.5, 1.0, 1.5], [m.mean() for m in met], 0.9) == pytest.approx(1.0)
+    assert crossing([0.5, 1.0], [0.8, 0.7], 0.9) is None  # below the target from the first value on
+    assert crossing([0.5, 0.75, 1.0], [0.87, 0.93, 0.8], 0.9) == pytest.approx(0.75 + 0.25 * 0.03 / 0.13)
+    boot, flipped = crossing_noise([0.5, 1.0, 1.5], met, 0.9, resamples=500)
+    assert sorted(flipped)[0] == pytest.approx(0.5 + 0.5 * 0.1 / (4 / 30))  # 26 of 30 at 1x
+    assert sorted(flipped)[-1] == pytest.approx(1.0 + 0.5 * (28 / 30 - 0.9) / (28 / 30 - 1 / 3))  # 28 of 30
+    assert boot.size > 400 and 0.5 <= boot.min() and boot.max() <= 1.5
+    assert np.percentile(boot, 10) < 0.95 and np.percentile(boot, 90) > 1.0  # a share of 30 moves the break
+    again, _ = crossing_noise([0.5, 1.0, 1.5], met, 0.9, resamples=500)
+    assert np.array_equal(boot, again)  # seeded
