@@ -17,8 +17,8 @@ import pytest
 from analyzers.latency import latency
 from analyzers.slo import SloTargets
 from analyzers.whatif import WhatIf, fit_whatif
-from analyzers.whatif.predict import crossing, crossing_noise
 from analyzers.whatif.models import FittedModels, StageCosts, StepTimeModel, nonnegative_lstsq
+from analyzers.whatif.predict import crossing, crossing_noise
 from analyzers.whatif.simulate import Arrival, Deployment, EngineSetup, StepRecord, simulate
 from analyzers.whatif.trace import StepRows
 from tokentrace.app.report.whatif import whatif_json, whatif_lines
