@@ -37,7 +37,9 @@ and, for a prediction whose replayed batches leave the batch sizes base-a covere
 
 The SLO sweep's drift-corrected curve uses, for a rate run with too few like steps, its decode steps' median
 measured / modelled time (base-a's model) over base-a's own; the measured break's noise: the break with each
-other base run in place of base-a at 1x. The contention check: within base-a, its decode steps' measured / modelled
+other base run in place of base-a at 1x, and with each rate run's requests resampled (or one request's verdict
+changed: a run of 30 requests moves its share by 3.3 points); the predicted break of each replay alone (timeline
+phase; a prediction averages them) and on a finer grid of rate scales. The contention check: within base-a, its decode steps' measured / modelled
 time against the load the process carried then (streams in flight, tokens relayed per second, event-loop lag;
 ``analyzers.whatif.contention``), and across the base and rate runs, their slowdown against the offered rate, their
 place in the session and what base-a's own relation gives at their load.
@@ -72,13 +74,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analyzers.latency import latency  # noqa: E402
-from analyzers.slo import SloTargets  # noqa: E402
+from analyzers.slo import SloTargets, request_slo  # noqa: E402
 from analyzers.source import Source  # noqa: E402
 from analyzers.whatif import fit_whatif  # noqa: E402
 from analyzers.whatif.contention import load_relation, spearman, step_load, step_ratios, within_run_lines  # noqa: E402
-from analyzers.whatif.metrics import measured_metrics  # noqa: E402
+from analyzers.whatif.metrics import measured_metrics, outcome_metrics  # noqa: E402
 from analyzers.whatif.models import STEP_FORMS, StepTimeModel, nonnegative_lstsq, step_features  # noqa: E402
-from analyzers.whatif.predict import crossing  # noqa: E402
+from analyzers.whatif.predict import crossing, crossing_noise  # noqa: E402
+from analyzers.whatif.simulate import simulate  # noqa: E402
 from analyzers.whatif.trace import StepRows, read_trace  # noqa: E402
 from tokentrace.app.demo.server import ServerSpec, TracedServer  # noqa: E402
 from tokentrace.store import open_run  # noqa: E402
@@ -242,7 +245,7 @@ def compare(model, name: str, settings: dict, real: dict[str, float], drift: flo
             tally: Tally, counted: bool, fitted_on: str) -> None:
     """One change: the raw prediction and the one on a device ``drift`` times as slow (the machine's measured
     change of speed), each against the real run, beside the bar from ``noise``."""
-    prediction = model.predict(settings)
+    prediction = model.predict(settings, in_place=False)  # another run: its slow periods at other moments
     pred = prediction.metrics
     corrected = (model.predict({**settings, "step_time_scale": drift}, ranges=False).metrics
                  if math.isfinite(drift) else {m: math.nan for m in METRICS})
@@ -325,6 +328,32 @@ def contention_check(store: Path, configs: dict, steps: dict[str, StepRows], mod
           f"{spearman(x, [order[n] for n in runs]):+.2f}, with the loop-lag share {spearman(x, [lag[n] for n in runs]):+.2f}; "
           f"runs of the base configuration (the same load): {min(slow[n] for n in runs if scale[n] == 1.0):.2f}-"
           f"{max(slow[n] for n in runs if scale[n] == 1.0):.2f}")
+
+
+def break_noise(store: Path, runs_of: dict[float, str], model, targets: dict[str, SloTargets]) -> None:
+    """How far the break moves with the requests' granularity: the measured one with each rate run's requests
+    resampled (or one request's verdict changed), the predicted one per replay (timeline phase) and on a finer grid."""
+    met = []
+    for s in SWEEP:
+        with closing(Source.of_run(open_run(store, runs_of[s]))) as src:
+            met.append((request_slo(src, targets).ok == True).to_numpy())  # noqa: E712 (verdicts are objects)
+    boot, flipped = crossing_noise(list(SWEEP), met, TARGET_SHARE)
+    print(f"measured break's sampling noise ({min(m.size for m in met)}-{max(m.size for m in met)} requests a run): "
+          f"each run's requests resampled 2000 times, the break 10th-90th percentile "
+          + (f"{np.percentile(boot, 10):.2f}-{np.percentile(boot, 90):.2f}" if boot.size else "n/a")
+          + f" ({boot.size} of 2000 cross in range); one request's verdict changed at one rate: "
+          + (f"{min(flipped):.2f}-{max(flipped):.2f}" if flipped else "n/a"))
+    n = model.num_replays
+    per_phase = []
+    for k in range(n):
+        shares = [outcome_metrics(simulate(model.deployment({"rate_scale": s}), model.arrivals({"rate_scale": s}),
+                                           seed=k, phase=k / n), targets)["slo.all.attainment"] for s in SWEEP]
+        per_phase.append(crossing(list(SWEEP), shares, TARGET_SHARE))
+    fine = [round(0.5 + 0.05 * k, 2) for k in range(31)]
+    hf = model.sweep("rate_scale", fine).breaking_value
+    print("predicted break per replay (timeline phase 0, 1/n, ...; each alone): " + ", ".join(
+        "none in range" if v is None else f"{v:.2f}" for v in per_phase)
+        + f"; their average's curve on a finer grid (0.5-2 by 0.05): {'none in range' if hf is None else f'{hf:.2f}'}")
 
 
 def rel(a: float, b: float) -> float:
@@ -435,6 +464,7 @@ def main() -> None:
               "targets), the SLO breaks at " + ", ".join(
                   f"{n} ({100 * real[n]['slo.all.attainment']:.0f}%) {'none in range' if v is None else f'{v:.2f}'}"
                   for n, v in others.items()))
+        break_noise(store, runs_of, model, targets)
         for what, curve in (("predicted", predicted_sweep), ("drift-corrected", corrected_sweep)):
             hp = crossing(list(SWEEP), [curve[s] for s in SWEEP], TARGET_SHARE)
             gap = rel(hp, hm) if hp is not None and hm is not None else math.nan

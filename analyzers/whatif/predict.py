@@ -26,7 +26,7 @@ from analyzers.whatif.trace import EngineSpec, RunTrace, read_trace
 from tokentrace.schema import Role
 
 __all__ = ["SETTINGS", "WhatIf", "Prediction", "SweepResult", "fit_whatif", "parse_setting", "parse_sweep",
-           "check_settings", "crossing", "extrapolation", "SLO_METRIC", "NUM_REPLAYS"]
+           "check_settings", "crossing", "crossing_noise", "extrapolation", "SLO_METRIC", "NUM_REPLAYS"]
 
 SETTINGS: dict[str, str] = {
     "rate_scale": "multiply the request rate (arrival gaps divided by it), > 0",
@@ -175,24 +175,34 @@ class WhatIf:
         out["step_time.mape"] = self.models.all_steps.mape
         return out
 
-    def predict(self, settings: Mapping[str, Any] | None = None, *, ranges: bool = True) -> Prediction:
+    def predict(self, settings: Mapping[str, Any] | None = None, *, ranges: bool = True,
+                in_place: bool | None = None) -> Prediction:
         """Replay the run's requests under ``settings`` (:data:`SETTINGS`) :attr:`num_replays` times (step
         variation drawn with seeds 0, 1, ...) and average each metric; ``ValueError`` for bad settings.
+
+        With the ``timeline`` variation, replay ``k`` reads the run's speed ``k / num_replays`` of the run's
+        span later (:func:`~analyzers.whatif.simulate.simulate`'s ``phase``): another run's slow periods do not
+        come at the same moments as this run's, so a prediction is the average over where they may fall;
+        ``in_place``: every replay at phase 0, the run's slow periods where they were (the replay of the run
+        itself, :attr:`fitted`); None (the default): so when no setting is given (nothing changed, the prediction
+        is the replay of the run), else averaged over the phases.
 
         When the replay's steps leave the batch sizes the run covered (:func:`extrapolation`), the prediction
         says so in ``notes`` and, with ``ranges``, replays again with the step-time refits at either end of
         the resampled ones and with each other step-time form fitted to the run, and gives each metric's
         range."""
         s = check_settings(settings or {})
+        in_place = not s if in_place is None else in_place
         deployment = self.deployment(s)
         arrivals = self.arrivals(s)
         records: list[StepRecord] = []
-        metrics, preemptions, unserved = self._replays(deployment, arrivals, records.append)
+        metrics, preemptions, unserved = self._replays(deployment, arrivals, records.append, in_place)
         notes, variants = extrapolation(deployment, records)
         spans: dict[str, tuple[float, float]] = {}
         if notes and ranges and variants:
             ends = [self._replays(replace(deployment, engines=tuple(
-                replace(e, model=v[i]) if i in v else e for i, e in enumerate(deployment.engines))), arrivals)[0]
+                replace(e, model=v[i]) if i in v else e for i, e in enumerate(deployment.engines))), arrivals,
+                in_place=in_place)[0]
                 for v in variants.values()]
             for name, v in metrics.items():
                 vals = [v, *(m.get(name, math.nan) for m in ends)]
@@ -207,12 +217,14 @@ class WhatIf:
         return Prediction(s, metrics, preemptions, unserved, spans, tuple(notes))
 
     def _replays(self, deployment: Deployment, arrivals: list[Arrival],
-                 record: Callable[[StepRecord], None] | None = None) -> tuple[dict[str, float], int, int]:
-        """Mean metrics over :attr:`num_replays` seeded replays, mean preemptions and unserved requests;
-        ``record`` gets the first replay's steps."""
+                 record: Callable[[StepRecord], None] | None = None, in_place: bool = False
+                 ) -> tuple[dict[str, float], int, int]:
+        """Mean metrics over :attr:`num_replays` seeded replays (replay ``k`` at timeline phase ``k / num_replays``,
+        0 with ``in_place``), mean preemptions and unserved requests; ``record`` gets the first replay's steps."""
         runs, preemptions, unserved = [], 0, 0
         for seed in range(self.num_replays):
-            outcomes = simulate(deployment, arrivals, seed=seed, record=record if seed == 0 else None)
+            outcomes = simulate(deployment, arrivals, seed=seed, record=record if seed == 0 else None,
+                                phase=0.0 if in_place else seed / self.num_replays)
             runs.append(outcome_metrics(outcomes, self.targets))
             preemptions += sum(o.num_preemptions for o in outcomes)
             unserved += sum(1 for o in outcomes if not o.delivered_ns)
@@ -308,7 +320,7 @@ def fit_whatif(src: Source, *, targets: Mapping[str, SloTargets] | None = None, 
     best: WhatIf | None = None
     for variation in VARIATIONS:  # the step-time variation that replays the run itself better
         w = WhatIf(trace, models.with_variation(variation), tg, measured, {}, list(notes), num_replays, max_requests)
-        w.fitted = w.predict({}).metrics
+        w.fitted = w.predict({}, in_place=True).metrics
         if best is None or _latency_error(w) < _latency_error(best):
             best = w
     assert best is not None
@@ -367,13 +379,31 @@ def _latency_error(w: WhatIf) -> float:
 
 def crossing(values: list[float], shares: list[float], target: float) -> float | None:
     """Where ``shares`` (falling as ``values`` rise) first drop below ``target``, linearly interpolated
-    between the last value at or above it and the first below; None when the first value is already below or
-    none is."""
+    between the last value at or above it and the first below (a share below the target before one at or above it,
+    as a measured curve's can be, is passed over); None when no share at or above the target is followed by one
+    below."""
     points = sorted((v, s) for v, s in zip(values, shares) if math.isfinite(s))
     for (v0, s0), (v1, s1) in zip(points, points[1:]):
         if s0 >= target > s1:
             return v0 + (v1 - v0) * (s0 - target) / (s0 - s1)
     return None
+
+
+def crossing_noise(values: list[float], met: list[np.ndarray], target: float, *, resamples: int = 2000,
+                   seed: int = 0) -> tuple[np.ndarray, list[float]]:
+    """How much :func:`crossing` moves when each value's share is that of a few requests (``met``: per value, each
+    request's verdict): the crossings over ``resamples`` resamplings of every value's requests with replacement
+    (seeded; those that cross in range), and the crossings with one request's verdict changed at one value."""
+    rng = np.random.default_rng(seed)
+    flags = [np.asarray(m, dtype=float) for m in met]
+    boot = [crossing(values, [float(rng.choice(f, f.size).mean()) for f in flags], target) for _ in range(resamples)]
+    shares = [float(f.mean()) for f in flags]
+    flipped = []
+    for i, f in enumerate(flags):
+        for d in (-1.0, 1.0):
+            if 0.0 <= shares[i] + d / f.size <= 1.0:
+                flipped.append(crossing(values, [*shares[:i], shares[i] + d / f.size, *shares[i + 1:]], target))
+    return np.array([b for b in boot if b is not None]), [v for v in flipped if v is not None]
 
 
 def _mean(values: list[float]) -> float:

@@ -102,7 +102,7 @@ _ARRIVE, _START, _END, _HANDOFF = 0, 1, 2, 3  # event kinds; at equal times arri
 
 
 def simulate(deployment: Deployment, arrivals: list[Arrival], *, seed: int | None = 0,
-             record: Callable[[StepRecord], None] | None = None) -> list[Outcome]:
+             record: Callable[[StepRecord], None] | None = None, phase: float = 0.0) -> list[Outcome]:
     """Replay ``arrivals`` through ``deployment``; one outcome per arrival, in the same order.
 
     ``seed``: each step's duration is its model's mean times one of the model's measured ratios of steps of its
@@ -113,10 +113,14 @@ def simulate(deployment: Deployment, arrivals: list[Arrival], *, seed: int | Non
     started nearest the same moment (as a quantile among its kind's; the run's time from its start again past
     its end), so that the run's slow and fast periods fall where they fell. Nearest start, not the step in
     progress: a step that was long by its own variation covers more of the run's time, and taking the one in
-    progress picked it more often (the replay of one run 2-5% over each request's TPOT). ``record``: called
-    with every step when it ends."""
+    progress picked it more often (the replay of one run 2-5% over each request's TPOT). ``phase``: with
+    ``timeline``, the replay at time ``t`` reads the run at ``t`` plus this share of the run's span (wrapping
+    around): 0 puts the run's slow periods where they were, another value as much later in the replay (a run of
+    another configuration meets the machine's slow periods at other moments). ``record``: called with every
+    step when it ends."""
     sim = _Cluster(deployment, None if seed is None else np.random.default_rng(seed))
     sim.record = record
+    sim.phase = float(phase) % 1.0
     return sim.run(arrivals)
 
 
@@ -139,6 +143,7 @@ class _Cluster:
         self.pools = [e.model.variation_pools() for e in self.setups]
         self.timelines = [_timeline(e.model) for e in self.setups]
         self.record: Callable[[StepRecord], None] | None = None
+        self.phase = 0.0  # ``timeline``: the run's time is read this share of its span later (wrapping around)
         self.events: list[tuple[int, int, int, int, object]] = []
         self.n = 0
         self.emits: dict[int, list[int]] = {}
@@ -207,7 +212,7 @@ class _Cluster:
             dur = max(dur + residuals[kind][int(self.rng.integers(residuals[kind].size))], 0.05 * dur)
         elif self.rng is not None and model.variation == "timeline" and self.timelines[i] is not None:
             starts, ranks, t_first, span = self.timelines[i]
-            at = t_first + (t - t_first) % span if t >= t_first else t_first  # past the run's end: from its start
+            at = t_first + (max(t - t_first, 0) + self.phase * span) % span  # past the run's end: from its start
             j = int(np.searchsorted(starts, at))  # the run's step that started nearest this moment
             q = ranks[j - 1 if j == starts.size or (j > 0 and at - starts[j - 1] < starts[j] - at) else j]
             dur *= ratios[kind][min(int(q * ratios[kind].size), ratios[kind].size - 1)]

@@ -16,8 +16,9 @@ import pytest
 
 from analyzers.latency import latency
 from analyzers.slo import SloTargets
-from analyzers.whatif import fit_whatif
+from analyzers.whatif import WhatIf, fit_whatif
 from analyzers.whatif.models import FittedModels, StageCosts, StepTimeModel, nonnegative_lstsq
+from analyzers.whatif.predict import crossing, crossing_noise
 from analyzers.whatif.simulate import Arrival, Deployment, EngineSetup, StepRecord, simulate
 from analyzers.whatif.trace import StepRows
 from tokentrace.app.report.whatif import whatif_json, whatif_lines
@@ -232,3 +233,45 @@ def test_a_slow_period_of_the_run_is_replayed_where_it_was_so_each_request_keeps
     assert any("as the run's did at the same moment of the run" in line for line in whatif_lines(w, w.predict({}), "run"))
     shuffled = replace(w, models=w.models.with_variation("ratio")).predict({}).metrics
     assert abs(shuffled["slo.all.attainment"] - w.measured["slo.all.attainment"]) > 0.04
+
+
+def test_a_prediction_does_not_depend_on_where_in_the_run_the_machine_was_slow(handmade):
+    """Two runs of one engine whose machine was 3x slow for the same share of the run, one early and one a fifth
+    of the run later. Each replays itself with its slow period in place (the fit), so the two fits differ; a
+    prediction (another run, whose slow periods come at other moments) averages the replays over where the slow
+    period may fall, and comes out the same for both."""
+    h, _ = _served_run(handmade, EngineSetup(Role.COLOCATED, 8, 64, 4, 1024, "fcfs", True, _MODEL))
+    w = fit_whatif(h.source())
+    t0 = w.arrivals({})[0].arrival_ns
+    starts = [t0 + k * 5 * MS for k in range(601)]  # a step every 5 ms over 3 s; a fifth of the span is 120 steps
+
+    def slowed(first: int) -> WhatIf:
+        ratios = tuple(3.0 if first <= k < first + 90 else 1.0 for k in range(len(starts)))
+        m = replace(_MODEL, ratios=ratios, ratio_prefill=(False,) * len(ratios), ratio_start_ns=tuple(starts),
+                    variation="timeline")
+        return replace(w, models=FittedModels({Role.COLOCATED: m}, m, w.models.stages))
+
+    early, later = slowed(30), slowed(150)
+    assert early.num_replays == 5
+    in_place = [x.predict({}, in_place=True).metrics for x in (early, later)]
+    assert abs(in_place[0]["tpot.p99"] - in_place[1]["tpot.p99"]) > 0.1 * in_place[1]["tpot.p99"]
+    assert early.predict({}).metrics == in_place[0]  # nothing changed: the replay of the run itself
+    for settings in ({"rate_scale": 1.0}, {"rate_scale": 1.5}):
+        a, b = (x.predict(settings).metrics for x in (early, later))
+        for name in ("ttft.p50", "ttft.p99", "tpot.p50", "tpot.p99", "e2e.p99", "slo.all.attainment"):
+            assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-9), name
+
+
+def test_the_break_is_interpolated_and_its_noise_is_that_of_the_requests_behind_each_share():
+    """30 requests a rate: one request's verdict is 3.3 points, and moves the break from 1.0 to 0.875 or 1.03."""
+    met = [np.ones(30, bool), np.arange(30) < 27, np.arange(30) < 10]  # 100%, 90%, 33% at 0.5, 1 and 1.5
+    assert crossing([0.5, 1.0, 1.5], [m.mean() for m in met], 0.9) == pytest.approx(1.0)
+    assert crossing([0.5, 1.0], [0.8, 0.7], 0.9) is None  # below the target from the first value on
+    assert crossing([0.5, 0.75, 1.0], [0.87, 0.93, 0.8], 0.9) == pytest.approx(0.75 + 0.25 * 0.03 / 0.13)
+    boot, flipped = crossing_noise([0.5, 1.0, 1.5], met, 0.9, resamples=500)
+    assert sorted(flipped)[0] == pytest.approx(0.5 + 0.5 * 0.1 / (4 / 30))  # 26 of 30 at 1x
+    assert sorted(flipped)[-1] == pytest.approx(1.0 + 0.5 * (28 / 30 - 0.9) / (28 / 30 - 1 / 3))  # 28 of 30
+    assert boot.size > 400 and 0.5 <= boot.min() and boot.max() <= 1.5
+    assert np.percentile(boot, 10) < 0.95 and np.percentile(boot, 90) > 1.0  # a share of 30 moves the break
+    again, _ = crossing_noise([0.5, 1.0, 1.5], met, 0.9, resamples=500)
+    assert np.array_equal(boot, again)  # seeded
