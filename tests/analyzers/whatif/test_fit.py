@@ -230,7 +230,7 @@ def test_a_slow_period_of_the_run_is_replayed_where_it_was_so_each_request_keeps
         assert abs(w.fit_error[name]) < 0.05, (name, w.measured[name], w.fitted[name])
     assert w.fitted["slo.all.attainment"] == pytest.approx(w.measured["slo.all.attainment"], abs=0.04)
     assert whatif_json(w, w.predict({}))["model"]["step_time"]["colocated"]["variation"] == "timeline"
-    assert any("as the run's did at the same moment of the run" in line for line in whatif_lines(w, w.predict({}), "run"))
+    assert any("a prediction averages replays with them shifted along the run" in line for line in whatif_lines(w, w.predict({}), "run"))
     shuffled = replace(w, models=w.models.with_variation("ratio")).predict({}).metrics
     assert abs(shuffled["slo.all.attainment"] - w.measured["slo.all.attainment"]) > 0.04
 

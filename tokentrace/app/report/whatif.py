@@ -121,8 +121,9 @@ _VARIATION_TEXT = {
     "ratio": "Step time varies around the model by the run's own measured ratios, drawn at random with the run's "
              "persistence from step to step.",
     "residual": "Step time varies around the model by the run's own measured residuals, drawn at random.",
-    "timeline": "Step time varies around the model as the run's did at the same moment of the run (its slow and "
-                "fast periods where they were): a prediction is for the machine as it ran this run.",
+    "timeline": "Step time varies around the model as the run's did over the run (its slow and fast periods): "
+                "the replay of the run keeps them where they were, and a prediction averages replays with them "
+                "shifted along the run, since another load would not meet them at the same moments.",
 }
 
 
