@@ -35,12 +35,13 @@ def _bin(expr: str) -> str:
 
 def decode_token_steps_sql(src: Source) -> str:
     """SELECT of every delivered token i >= 1 with the engine step that produced it: lat (its ITL, ns), step_ns
-    (the step's length), seqs (the step's batch size), other_prefill (prefill tokens in the step)."""
+    (the step's length), seqs (the step's batch size), other_prefill (prefill tokens in the step), instance_id
+    (the instance that ran the step)."""
     c = col
     tt, ts = token_times(src), token_steps(src)
     return f"""
         SELECT t.{LATENCY} AS lat, s.{c.END_NS} - s.{c.START_NS} AS step_ns, s.{c.NUM_SEQS} AS seqs,
-               s.{c.NUM_PREFILL_TOKENS} AS other_prefill
+               s.{c.NUM_PREFILL_TOKENS} AS other_prefill, s.{c.INSTANCE_ID}
         FROM {tt} t JOIN {ts} x ON t.{c.REQUEST_ID} = x.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = x.{c.TOKEN_INDEX}
         JOIN steps s ON x.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND x.{c.STEP} = s.{c.STEP}
         WHERE t.{c.TOKEN_INDEX} > 0
@@ -51,7 +52,8 @@ DECODE_TOKEN_STEPS = facts.Fact(
     "decode_token_steps", "Every delivered token i >= 1 with the engine step that produced it.",
     (facts.i64("lat", "The token's ITL; ns."), facts.i64("step_ns", "Length of the step that produced it; ns."),
      facts.i64("seqs", "The step's batch size (sequences)."),
-     facts.i64("other_prefill", "Prefill tokens in the step.")),
+     facts.i64("other_prefill", "Prefill tokens in the step."),
+     facts.i64(col.INSTANCE_ID, "The instance that ran the step.")),
     select=decode_token_steps_sql)
 
 
@@ -66,7 +68,6 @@ def batch_profile(src: Source) -> pd.DataFrame:
     produced no decode token). Roles apart: a prefill worker's prefill-only steps are not decode steps, and
     mixed with a decode worker's they would make a step look slower than the ITL it produced."""
     c = col
-    tt, ts = token_times(src), token_steps(src)
     roles = f"(SELECT {c.INSTANCE_ID}, ANY_VALUE({c.ROLE}) AS role_id FROM instances GROUP BY {c.INSTANCE_ID})"
     steps = src.df(f"""
         SELECT i.role_id, {_bin('s.' + c.NUM_SEQS)} AS k, COUNT(*) AS num_steps,
@@ -75,12 +76,9 @@ def batch_profile(src: Source) -> pd.DataFrame:
         FROM steps s LEFT JOIN {roles} i USING ({c.INSTANCE_ID}) GROUP BY ALL
     """)
     toks = src.df(f"""
-        SELECT i.role_id, {_bin('s.' + c.NUM_SEQS)} AS k, COUNT(*) AS num_tokens,
-               AVG(t.{LATENCY}) / 1e6 AS mean_itl_ms, quantile_cont(t.{LATENCY}, 0.99) / 1e6 AS p99_itl_ms
-        FROM {tt} t JOIN {ts} x ON t.{c.REQUEST_ID} = x.{c.REQUEST_ID} AND t.{c.TOKEN_INDEX} = x.{c.TOKEN_INDEX}
-        JOIN steps s ON x.{c.INSTANCE_ID} = s.{c.INSTANCE_ID} AND x.{c.STEP} = s.{c.STEP}
-        LEFT JOIN {roles} i ON s.{c.INSTANCE_ID} = i.{c.INSTANCE_ID}
-        WHERE t.{c.TOKEN_INDEX} > 0 GROUP BY ALL
+        SELECT i.role_id, {_bin('d.seqs')} AS k, COUNT(*) AS num_tokens,
+               AVG(d.lat) / 1e6 AS mean_itl_ms, quantile_cont(d.lat, 0.99) / 1e6 AS p99_itl_ms
+        FROM {decode_token_steps(src)} d LEFT JOIN {roles} i USING ({c.INSTANCE_ID}) GROUP BY ALL
     """)
     for frame in (steps, toks):
         frame["role"] = [Role(int(r)).label if pd.notna(r) else UNKNOWN_ROLE for r in frame["role_id"]]
@@ -115,7 +113,6 @@ def interference(src: Source, *, tail_fraction: float = TAIL_FRACTION) -> pd.Dat
         UNION ALL
         SELECT 'nearest', {agg} FROM (SELECT k.* FROM {tok} k, q ORDER BY ABS(lat - m) LIMIT 1)
     """)
-    src.execute("DROP TABLE IF EXISTS intf_tok")
     df = df[df["num_tokens"] > 0]
     if "median" not in set(df["group"]):
         df.loc[df["group"] == "nearest", "group"] = "median"

@@ -344,9 +344,17 @@ def breakdown(src: Source, *, by: str | None = None, window_s: float | None = No
     Columns: [group column], stage, ttft_mean_ms, ttft_share, ttft_tail_share,
     itl_mean_ms, itl_share, itl_tail_share. Shares are NaN for a kind with no
     tokens. ``by`` / ``window_s`` as :func:`analyzers.latency.latency`.
+
+    Computed once per source and arguments (the KV-transfer share of :mod:`analyzers.pd_ratio` is read from the
+    same breakdown the report shows); each call returns its own copy.
     """
     if not 0 < tail_fraction <= 1:
         raise ValueError(f"tail_fraction must be in (0, 1], got {tail_fraction!r}")
+    key = f"stage_breakdown:{by!r}:{window_s!r}:{tail_fraction!r}"
+    return src.cached(key, lambda: _breakdown(src, by, window_s, tail_fraction)).copy()
+
+
+def _breakdown(src: Source, by: str | None, window_s: float | None, tail_fraction: float) -> pd.DataFrame:
     gcol = group_column(by, window_s)
     start = None
     if window_s is not None:
