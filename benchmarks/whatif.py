@@ -10,16 +10,20 @@ in this session, in this order:
   ``|a - b| / mean(a, b)``. The load average before each run is printed beside it.
 * ``rate-0.5``, ``rate-1.5``: the request rate halved and raised by half;
 * ``seqs``: ``--max-num-seqs`` 4; ``budget``: ``--max-num-batched-tokens`` 64;
-* ``rate-0.75``, ``rate-2.0``: with 0.5, 1 and 1.5, the measured SLO sweep.
+* ``rate-0.75``, ``rate-2.0``, ``rate-2.5``, ``rate-3.0``: with 0.5, 1 and 1.5, the measured SLO sweep's first
+  pass (``--sweep`` sets its rate scales); then a second pass of every rate but 1x in the reverse order
+  (``p2-rate-3.0`` .. ``p2-rate-0.5``; ``--passes``), so that each rate is measured at two places in the session.
 
 The simulator is fitted to ``base-a`` only (``analyzers.whatif.fit_whatif``), and predicts each other
 configuration; each prediction is compared with its real run: error = ``|predicted - real| / real``, for
 TTFT, ITL and E2E p50 and p99, beside the noise. A prediction meets the bar when its error is within
 ``max(15%, 1.5 x noise)``. The SLO-breaking rate: where the share of requests meeting their targets
-falls below 90% over the rate scales 0.5, 0.75, 1, 1.5, 2 (linearly interpolated between the two scales
-around it), predicted (a simulator sweep) and measured (the real runs). The targets (``--slo auto``, the
-default) are base-a's own TTFT and TPOT p90, so that the break falls inside the swept range whatever this
-machine's speed that day; ``--slo ttft=2s,tpot=200ms`` fixes them instead.
+falls below 90% over the sweep's rate scales (0.5-3 by default; linearly interpolated between the two scales
+around it), predicted (a simulator sweep) and measured: a rate's share pooled over its runs in every pass, 1x's
+over every base run (``whatif_sweep.py``). The targets (``--slo auto``, the default) are base-a's own TTFT and
+TPOT p99: what base-a meets, so that the break is where more load breaks it, whatever this machine's speed that
+day; ``--slo p90`` (base-a's p90, which base-a itself meets for only about 80% of its requests, so that the break
+lies below 1x where the curve is flattest) or ``--slo ttft=2s,tpot=200ms`` set them otherwise.
 
 The machine's drift: each run's slowdown against base-a on like steps (the median over batch sizes of its
 decode-only steps' median time against base-a's: how much the machine's speed changed between the runs,
@@ -35,11 +39,11 @@ the step time of its decode steps of at most 4 sequences predicted by a fit on i
 form (and an absolute least-squares line), which the machine's change of speed between runs does not enter;
 and, for a prediction whose replayed batches leave the batch sizes base-a covered, its stated range and note.
 
-The SLO sweep's drift-corrected curve uses, for a rate run with too few like steps, its decode steps' median
-measured / modelled time (base-a's model) over base-a's own; the measured break's noise: the break with each
-other base run in place of base-a at 1x, and with each rate run's requests resampled (or one request's verdict
-changed: a run of 30 requests moves its share by 3.3 points); the predicted break of each replay alone (timeline
-phase; a prediction averages them) and on a finer grid of rate scales. The contention check: within base-a, its decode steps' measured / modelled
+The SLO sweep's drift-corrected curve uses, per rate, the median of its runs' slowdowns (for a run with too few
+like steps, its decode steps' median measured / modelled time by base-a's model over base-a's own); the measured break's noise: the break with each
+pass alone, and with each rate's pooled requests resampled (or one request's verdict changed: 60 requests move
+a share by 1.7 points); the predicted break of each replay alone (timeline phase; a prediction averages them) and
+on a finer grid of rate scales. The contention check: within base-a, its decode steps' measured / modelled
 time against the load the process carried then (streams in flight, tokens relayed per second, event-loop lag;
 ``analyzers.whatif.contention``), and across the base and rate runs, their slowdown against the offered rate, their
 place in the session and what base-a's own relation gives at their load.
@@ -52,7 +56,7 @@ prints a second table: each change predicted from the base run just before it (r
 change's drift against that base run), its bar from the noise between that base run and the next.
 
 Run: ``.venv/bin/python benchmarks/whatif.py [--requests 30] [--rate 2.0] [--model small] [--paired]``
-(5-6 minutes on 2 CPU cores shared with other work; about 7 with ``--paired``). ``--store DIR --reuse`` analyses runs already in DIR instead of running them.
+(about 7 minutes on 2 quiet CPU cores; about 8 with ``--paired``). ``--store DIR --reuse`` analyses runs already in DIR instead of running them.
 """
 
 from __future__ import annotations
@@ -73,15 +77,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from whatif_sweep import DEFAULT_SCALES, MeasuredSweep, break_noise, breaks_line, later_passes, runs_by_scale  # noqa: E402
+
 from analyzers.latency import latency  # noqa: E402
-from analyzers.slo import SloTargets, request_slo  # noqa: E402
+from analyzers.slo import SloTargets  # noqa: E402
 from analyzers.source import Source  # noqa: E402
 from analyzers.whatif import fit_whatif  # noqa: E402
 from analyzers.whatif.contention import load_relation, spearman, step_load, step_ratios, within_run_lines  # noqa: E402
-from analyzers.whatif.metrics import measured_metrics, outcome_metrics  # noqa: E402
+from analyzers.whatif.metrics import measured_metrics  # noqa: E402
 from analyzers.whatif.models import STEP_FORMS, StepTimeModel, nonnegative_lstsq, step_features  # noqa: E402
-from analyzers.whatif.predict import crossing, crossing_noise  # noqa: E402
-from analyzers.whatif.simulate import simulate  # noqa: E402
+from analyzers.whatif.predict import crossing  # noqa: E402
 from analyzers.whatif.trace import StepRows, read_trace  # noqa: E402
 from tokentrace.app.demo.server import ServerSpec, TracedServer  # noqa: E402
 from tokentrace.store import open_run  # noqa: E402
@@ -89,7 +94,6 @@ from tokentrace.store import open_run  # noqa: E402
 METRICS = ("ttft.p50", "ttft.p99", "itl.p50", "itl.p99", "e2e.p50", "e2e.p99")
 BAR_FLOOR = 0.15
 NOISE_FACTOR = 1.5
-SWEEP = (0.5, 0.75, 1.0, 1.5, 2.0)
 TARGET_SHARE = 0.9
 MIN_LIKE_STEPS = 20  # like steps (decode-only, same batch size, counted on the smaller side) to measure a drift
 
@@ -126,12 +130,14 @@ def measured(store: Path, run_id: str, targets: dict[str, SloTargets]) -> dict[s
 
 
 def slo_targets(store: Path, spec: str) -> dict[str, SloTargets]:
-    """``auto``: base-a's TTFT and TPOT p90 for every class; else ``ttft=..ms,tpot=..ms``."""
-    if spec == "auto":
+    """``auto`` (= ``p99``): base-a's TTFT and TPOT p99 for every class; ``p90``: their p90; else
+    ``ttft=..ms,tpot=..ms``."""
+    if spec in ("auto", "p99", "p90"):
+        pct = "p90" if spec == "p90" else "p99"
         src = Source.of_run(open_run(store, "base-a"))
         lat = latency(src).set_index("metric")
         src.close()
-        return {"*": SloTargets(float(lat.loc["ttft", "p90_ms"]), float(lat.loc["tpot", "p90_ms"]))}
+        return {"*": SloTargets(float(lat.loc["ttft", f"{pct}_ms"]), float(lat.loc["tpot", f"{pct}_ms"]))}
     parts = dict(p.split("=") for p in spec.split(","))
     ms = {k: float(v[:-2]) if v.endswith("ms") else float(v.rstrip("s")) * 1000 for k, v in parts.items()}
     return {"*": SloTargets(ms["ttft"], ms["tpot"])}
@@ -330,30 +336,20 @@ def contention_check(store: Path, configs: dict, steps: dict[str, StepRows], mod
           f"{max(slow[n] for n in runs if scale[n] == 1.0):.2f}")
 
 
-def break_noise(store: Path, runs_of: dict[float, str], model, targets: dict[str, SloTargets]) -> None:
-    """How far the break moves with the requests' granularity: the measured one with each rate run's requests
-    resampled (or one request's verdict changed), the predicted one per replay (timeline phase) and on a finer grid."""
-    met = []
-    for s in SWEEP:
-        with closing(Source.of_run(open_run(store, runs_of[s]))) as src:
-            met.append((request_slo(src, targets).ok == True).to_numpy())  # noqa: E712 (verdicts are objects)
-    boot, flipped = crossing_noise(list(SWEEP), met, TARGET_SHARE)
-    print(f"measured break's sampling noise ({min(m.size for m in met)}-{max(m.size for m in met)} requests a run): "
-          f"each run's requests resampled 2000 times, the break 10th-90th percentile "
-          + (f"{np.percentile(boot, 10):.2f}-{np.percentile(boot, 90):.2f}" if boot.size else "n/a")
-          + f" ({boot.size} of 2000 cross in range); one request's verdict changed at one rate: "
-          + (f"{min(flipped):.2f}-{max(flipped):.2f}" if flipped else "n/a"))
-    n = model.num_replays
-    per_phase = []
-    for k in range(n):
-        shares = [outcome_metrics(simulate(model.deployment({"rate_scale": s}), model.arrivals({"rate_scale": s}),
-                                           seed=k, phase=k / n), targets)["slo.all.attainment"] for s in SWEEP]
-        per_phase.append(crossing(list(SWEEP), shares, TARGET_SHARE))
-    fine = [round(0.5 + 0.05 * k, 2) for k in range(31)]
-    hf = model.sweep("rate_scale", fine).breaking_value
-    print("predicted break per replay (timeline phase 0, 1/n, ...; each alone): " + ", ".join(
-        "none in range" if v is None else f"{v:.2f}" for v in per_phase)
-        + f"; their average's curve on a finer grid (0.5-2 by 0.05): {'none in range' if hf is None else f'{hf:.2f}'}")
+def repeated_rates(model, configs: dict, real: dict[str, dict[str, float]], noise: dict[str, float]) -> None:
+    """The rate changes run twice (the sweep's passes 1 and 2): each is the same configuration run twice, so its
+    own run-to-run noise, and the prediction against the mean of its two runs, beside the bar from base-a/base-b."""
+    for name in ("rate-0.5", "rate-1.5"):
+        again = f"p2-{name}"
+        if again not in configs:
+            continue
+        pred = model.predict(configs[name][2], in_place=False, ranges=False).metrics
+        own = {m: abs(real[name][m] - real[again][m]) / np.mean([real[name][m], real[again][m]]) for m in METRICS}
+        errs = {m: rel(pred[m], float(np.mean([real[name][m], real[again][m]]))) for m in METRICS}
+        within = sum(errs[m] <= max(BAR_FLOOR, NOISE_FACTOR * max(own[m], noise[m])) for m in METRICS)
+        print(f"{name} run twice ({name}, {again}): own noise " + "  ".join(f"{m} {100 * own[m]:.0f}%" for m in METRICS)
+              + "; predicted against their mean " + "  ".join(f"{m} {100 * errs[m]:.0f}%" for m in METRICS)
+              + f"; {within}/{len(METRICS)} within max(15%, 1.5x the larger noise)")
 
 
 def rel(a: float, b: float) -> float:
@@ -366,13 +362,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="base request rate, req/s")
     parser.add_argument("--model", default="small")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--slo", default="auto", help="auto (base-a's TTFT and TPOT p90) or ttft=2000ms,tpot=200ms")
+    parser.add_argument("--slo", default="auto",
+                        help="auto or p99 (base-a's TTFT and TPOT p99), p90 (their p90), or ttft=2000ms,tpot=200ms")
+    parser.add_argument("--sweep", default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
+                        help="rate scales of the measured SLO sweep (1 and the four changes' 0.5 and 1.5 among them)")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="passes of the measured sweep (each in the reverse order of the one before)")
     parser.add_argument("--store", default="", help="keep the runs in this store (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true", help="analyse the runs already in --store")
     parser.add_argument("--paired", action="store_true",
                         help="also run the base configuration between the changed ones, and predict each change "
                              "from the base run just before it (a second table)")
     args = parser.parse_args()
+    scales = tuple(sorted({float(v) for v in args.sweep.split(",")} | {0.5, 1.0, 1.5}))
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
           f"model {args.model}, {args.requests} requests per run, base rate {args.rate} req/s, slo {args.slo}")
     with tempfile.TemporaryDirectory(prefix="whatif-bench-") as tmp:
@@ -385,8 +387,8 @@ def main() -> None:
             "rate-1.5": (1.5, [], {"rate_scale": 1.5}),
             "seqs": (1.0, ["--max-num-seqs", "4"], {"max_num_seqs": 4}),
             "budget": (1.0, ["--max-num-batched-tokens", "64"], {"max_num_batched_tokens": 64}),
-            "rate-0.75": (0.75, [], {"rate_scale": 0.75}),
-            "rate-2.0": (2.0, [], {"rate_scale": 2.0}),
+            **{f"rate-{s}": (s, [], {"rate_scale": s}) for s in scales if s not in (0.5, 1.0, 1.5)},
+            **{name: (s, [], {"rate_scale": s}) for name, s in later_passes(scales, args.passes)},
             "base-b": (1.0, [], {}),
         }
         if args.paired:  # base-1 .. base-4 after the first four changes: base-a, rate-0.5, base-1, rate-1.5, ...
@@ -441,32 +443,31 @@ def main() -> None:
                 continue
             compare(model, name, settings, real[name], speed[name], noise, tally,
                     name in ("rate-0.5", "rate-1.5", "seqs", "budget"), "base-a")
-        runs_of = {0.5: "rate-0.5", 0.75: "rate-0.75", 1.0: "base-a", 1.5: "rate-1.5", 2.0: "rate-2.0"}
-        measured_sweep = {s: real[n]["slo.all.attainment"] for s, n in runs_of.items()}
-        sweep = model.sweep("rate_scale", list(SWEEP))
+        repeated_rates(model, configs, real, noise)
+        runs_of = runs_by_scale(scales, list(configs))
+        sweep_runs = MeasuredSweep.read(store, runs_of, targets)
+        measured_sweep = sweep_runs.pooled()
+        sweep = model.sweep("rate_scale", list(scales))
         predicted_sweep = {v: p.metrics["slo.all.attainment"] for v, p in zip(sweep.values, sweep.predictions)}
-        sweep_speed = {s: speed[n] if math.isfinite(speed[n]) else model_slowdown(steps[n], steps["base-a"], m0)
-                       for s, n in runs_of.items()}
-        print("sweep runs' slowdown (like steps; in brackets, where too few: decode steps against base-a's model): "
-              + ", ".join(f"{s}x {sweep_speed[s]:.2f}" if math.isfinite(speed[n]) else f"{s}x ({sweep_speed[s]:.2f})"
-                          for s, n in runs_of.items()))
+        run_speed = {n: speed[n] if math.isfinite(speed[n]) else model_slowdown(steps[n], steps["base-a"], m0)
+                     for n in configs}
+        sweep_speed = {s: median([run_speed[n] for n in runs]) for s, runs in runs_of.items()}
+        print("sweep runs' slowdown against base-a (like steps; in brackets, where too few: decode steps against "
+              "base-a's model), and its median per rate scale: " + "; ".join(
+                  ", ".join(f"{n} {run_speed[n]:.2f}" if math.isfinite(speed[n]) else f"{n} ({run_speed[n]:.2f})"
+                            for n in runs) + f" -> {s}x {sweep_speed[s]:.2f}" for s, runs in runs_of.items()))
         corrected_sweep = {s: model.predict({"rate_scale": s, "step_time_scale": sweep_speed[s]}, ranges=False)
                            .metrics["slo.all.attainment"] if math.isfinite(sweep_speed[s]) else math.nan
                            for s in runs_of}
-        print("slo.all.attainment by rate scale, predicted / drift-corrected / measured: " + ", ".join(
-            f"{s}x {100 * predicted_sweep[s]:.0f}% / {100 * corrected_sweep[s]:.0f}% / {100 * measured_sweep[s]:.0f}%"
-            for s in SWEEP))
-        hm = crossing(list(SWEEP), [measured_sweep[s] for s in SWEEP], TARGET_SHARE)
-        others = {n: crossing(list(SWEEP), [real[n]["slo.all.attainment"] if s == 1.0 else measured_sweep[s]
-                                            for s in SWEEP], TARGET_SHARE)
-                  for n in configs if n.startswith("base-") and n != "base-a"}
-        print("noise of the measured break: with each other base run as the 1x point (its attainment against base-a's "
-              "targets), the SLO breaks at " + ", ".join(
-                  f"{n} ({100 * real[n]['slo.all.attainment']:.0f}%) {'none in range' if v is None else f'{v:.2f}'}"
-                  for n, v in others.items()))
-        break_noise(store, runs_of, model, targets)
+        print(f"slo.all.attainment by rate scale, predicted / drift-corrected / measured (pooled over "
+              f"{sweep_runs.passes()} passes; 1x: every base run): " + ", ".join(
+                  f"{s}x {100 * predicted_sweep[s]:.0f}% / {100 * corrected_sweep[s]:.0f}% / {100 * measured_sweep[s]:.0f}%"
+                  for s in scales))
+        hm = crossing(list(scales), [measured_sweep[s] for s in scales], TARGET_SHARE)
+        print(breaks_line(sweep_runs, TARGET_SHARE))
+        break_noise(sweep_runs, model, targets, TARGET_SHARE)
         for what, curve in (("predicted", predicted_sweep), ("drift-corrected", corrected_sweep)):
-            hp = crossing(list(SWEEP), [curve[s] for s in SWEEP], TARGET_SHARE)
+            hp = crossing(list(scales), [curve[s] for s in scales], TARGET_SHARE)
             gap = rel(hp, hm) if hp is not None and hm is not None else math.nan
             print(f"rate scale at which the SLO breaks ({100 * TARGET_SHARE:.0f}% of requests within target): "
                   f"{what} {'none in range' if hp is None else f'{hp:.2f}'}, measured "
