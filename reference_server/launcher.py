@@ -8,8 +8,10 @@ port 0 picks a free one) and prints ``READY http://HOST:PORT`` once it listens (
 ``GET /health``). Ctrl-C or SIGTERM stops the gateway, which stops every worker process
 it started, and exits 0; workers also exit on their own if the launcher dies (their control
 connection closes). A Ctrl-C reaches every process of the terminal's process group, and a
-supervisor (``tokentrace run``) may forward it once more: a second SIGINT within a second
-of the first counts as the same one, so shutdown stays graceful. A port that cannot be
+supervisor (``tokentrace run``) may forward it once more: a second SIGINT within
+:data:`SAME_INTERRUPT_S` of the first counts as the same one, so shutdown stays graceful (a
+supervisor scheduled late on a busy host forwards it a second or more after the process group
+got it; a later one forces the exit). A port that cannot be
 bound, like any bad option, is one line on stderr and exit status 2, before any worker
 starts.
 """
@@ -151,6 +153,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+SAME_INTERRUPT_S = 3.0
+"""A second SIGINT this soon after the first is the same interrupt (see the module doc)."""
+
+
 def _make_server(app: Any, log_level: str) -> Any:
     import uvicorn
 
@@ -161,7 +167,7 @@ def _make_server(app: Any, log_level: str) -> Any:
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             now = time.monotonic()
-            if sig == signal.SIGINT and self.should_exit and now - self._first_exit_s < 1.0:
+            if sig == signal.SIGINT and self.should_exit and now - self._first_exit_s < SAME_INTERRUPT_S:
                 return  # the same interrupt again: a third, later one still forces the exit
             if not self.should_exit:
                 self._first_exit_s = now

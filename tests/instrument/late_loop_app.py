@@ -8,7 +8,8 @@ process's priority by that much. Untraced ``POST /plant`` plants a late loop, as
 * ``{"kind": "blocking", "ms": N}``: a callback on the loop spins until its thread has used N ms of CPU,
   from just after the response is written (a request sent once it is read waits for the spin);
 * ``{"kind": "gil", "ms": N}``: a thread of this process spins in pure Python until it has used N ms of
-  CPU, holding the GIL 50 ms at a time (the switch interval is raised to 50 ms while it runs).
+  CPU, holding the GIL 50 ms at a time (the switch interval is raised to 50 ms while it runs); untraced
+  ``GET /spinning`` says whether it still runs (``{"spinning": true}``).
 
 Each spin counts its thread's CPU time, not the wall clock's, so that it does the same work however
 busy the host is; it gives up after ``MAX_SPIN_S`` of wall time.
@@ -45,6 +46,9 @@ def _spin(ms: float) -> None:
         pass
 
 
+_SPINNERS: list[threading.Thread] = []
+
+
 def _spin_holding_the_gil(ms: float) -> None:
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.05)
@@ -52,6 +56,10 @@ def _spin_holding_the_gil(ms: float) -> None:
         _spin(ms)
     finally:
         sys.setswitchinterval(before)
+
+
+async def _spinning(request: Request) -> JSONResponse:
+    return JSONResponse({"spinning": any(t.is_alive() for t in _SPINNERS)})
 
 
 async def _completions(request: Request) -> StreamingResponse:
@@ -74,7 +82,8 @@ async def _plant(request: Request) -> JSONResponse:
     if body["kind"] == "blocking":
         asyncio.get_running_loop().call_soon(_spin, ms)  # after this response is written: the next request waits
     elif body["kind"] == "gil":
-        threading.Thread(target=_spin_holding_the_gil, args=(ms,), daemon=True).start()
+        _SPINNERS.append(threading.Thread(target=_spin_holding_the_gil, args=(ms,), daemon=True))
+        _SPINNERS[-1].start()
     else:
         return JSONResponse({"error": f"unknown kind {body['kind']!r}"}, status_code=400)
     return JSONResponse({"planted": body["kind"]})
@@ -85,7 +94,8 @@ def main() -> None:
     if len(sys.argv) > 4:
         os.nice(int(sys.argv[4]))
     app = TokenTraceMiddleware(Starlette(routes=[Route("/v1/completions", _completions, methods=["POST"]),
-                                                 Route("/plant", _plant, methods=["POST"])]))
+                                                 Route("/plant", _plant, methods=["POST"]),
+                                                 Route("/spinning", _spinning, methods=["GET"])]))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # connections wait in the backlog until uvicorn serves them: the port is usable once written
