@@ -46,7 +46,9 @@ a share by 1.7 points); the predicted break of each replay alone (timeline phase
 on a finer grid of rate scales. The contention check: within base-a, its decode steps' measured / modelled
 time against the load the process carried then (streams in flight, tokens relayed per second, event-loop lag;
 ``analyzers.whatif.contention``), and across the base and rate runs, their slowdown against the offered rate, their
-place in the session and what base-a's own relation gives at their load.
+place in the session and what base-a's own relation gives at their load. The rate changes 0.5x and 1.5x, run in
+both passes, are each the same configuration run twice: their own run-to-run noise and the prediction against
+the mean of their two runs are printed after the table (the tally stays the first runs against base-a/base-b).
 
 Last line: ``whatif_median_error=<median of every raw prediction's error over the six latency metrics>``
 (the drift-corrected median is the line before it).
