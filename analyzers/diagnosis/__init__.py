@@ -276,7 +276,8 @@ def _merge(findings: list[Finding]) -> list[Finding]:
 
 
 def _summary(causes: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """The causes over the run, ranked by the share of all missed time (summed excess) they explain."""
+    """The causes over the run, ranked by the share of all missed time (summed excess) they explain, ``unknown``
+    last whatever its size (as in each request's causes: it is no cause, only what is left)."""
     if not len(causes):
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     total = float(requests["excess_ms"].sum())
@@ -290,5 +291,7 @@ def _summary(causes: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
                      "ms": float(g["ms"].sum()), "share": float(g["ms"].sum()) / total if total > 0 else math.nan,
                      "stage": stage, "tenant": tenant, "fix": FIXES.get(str(cause), ""),
                      "evidence": f"{top[col.REQUEST_KEY]}: {top['evidence']}"})
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS).sort_values(
-        ["ms", "cause"], ascending=[False, True], kind="stable").reset_index(drop=True)
+    out = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    out["_unknown"] = out["cause"] == UNKNOWN
+    return out.sort_values(["_unknown", "ms", "cause"], ascending=[True, False, True], kind="stable").drop(
+        columns="_unknown").reset_index(drop=True)

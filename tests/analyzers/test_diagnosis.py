@@ -595,6 +595,24 @@ def test_what_no_rule_explains_is_unknown_and_comes_last(handmade):
     assert [c["cause"] for c in causes] == ["unknown"] and causes[0]["ms"] == pytest.approx(300.0)
 
 
+def test_the_runs_causes_rank_unknown_last_however_large(handmade):
+    h = handmade
+    for step, (a, b) in enumerate([(0, 100), (100, 200), (200, 300), (300, 400)], 1):  # head-of-line, as above
+        h.step(step, a, b, prefill=32)
+        h.span(9, Stage.PREFILL_COMPUTE, a, b, 0, step=step)
+    h.request(9, 0, 420, prompt=1000).tokens(9, [400])
+    h.step(5, 400, 410, prefill=10)
+    _short(h, 1, 10, queue=(10, 400), prefill=(400, 410, 5), tokens=[410])
+    for rid in (2, 3, 4):
+        _short(h, rid, 500 + rid * 100, prefill=(500 + rid * 100, 505 + rid * 100, 10 + rid))
+    _short(h, 20, 1000, prefill=(1000, 1800, 20), tokens=[1800])  # 700 ms over target that no rule explains
+    d = diagnose(h.source(), targets=Targets(ttft_ms=100))
+    assert _causes(d, 20)[0]["cause"] == "unknown" and _causes(d, 20)[0]["ms"] == pytest.approx(700.0)
+    ranked = list(d.summary["cause"])
+    assert ranked[-1] == "unknown" and ranked[0] == "head_of_line", d.summary[["cause", "ms"]]
+    assert d.summary.set_index("cause").loc["unknown", "ms"] > d.summary.set_index("cause").loc["head_of_line", "ms"]
+
+
 def test_the_story_and_the_json_say_what_the_rows_say(handmade):
     h = handmade
     h.request(1, 0, 300, prompt=10).tokens(1, [300])

@@ -148,7 +148,7 @@ def request_json(request: pd.Series | dict, causes: pd.DataFrame) -> dict[str, A
 
 
 def causes_json(diagnosis: Any) -> list[dict[str, Any]]:
-    """The run's causes ranked by share of missed time (the JSON report's ``diagnosis.causes``)."""
+    """The run's causes ranked by share of missed time, ``unknown`` last (the JSON report's ``diagnosis.causes``)."""
     out = []
     for r in diagnosis.summary.itertuples(index=False):
         item = {"cause": r.cause, "share": round(as_float(r.share), 4), "ms": round(as_float(r.ms), 3),
