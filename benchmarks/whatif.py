@@ -79,7 +79,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from whatif_sweep import DEFAULT_SCALES, MeasuredSweep, break_noise, breaks_line, later_passes, runs_by_scale  # noqa: E402
+from whatif_sweep import (  # noqa: E402
+    DEFAULT_SCALES,
+    MeasuredSweep,
+    break_noise,
+    breaks_line,
+    later_passes,
+    rate_run,
+    runs_by_scale,
+)
 
 from analyzers.latency import latency  # noqa: E402
 from analyzers.slo import SloTargets  # noqa: E402
@@ -341,8 +349,8 @@ def contention_check(store: Path, configs: dict, steps: dict[str, StepRows], mod
 def repeated_rates(model, configs: dict, real: dict[str, dict[str, float]], noise: dict[str, float]) -> None:
     """The rate changes run twice (the sweep's passes 1 and 2): each is the same configuration run twice, so its
     own run-to-run noise, and the prediction against the mean of its two runs, beside the bar from base-a/base-b."""
-    for name in ("rate-0.5", "rate-1.5"):
-        again = f"p2-{name}"
+    for scale in (0.5, 1.5):
+        name, again = rate_run(scale, 1), rate_run(scale, 2)
         if again not in configs:
             continue
         pred = model.predict(configs[name][2], in_place=False, ranges=False).metrics
@@ -389,7 +397,7 @@ def main() -> None:
             "rate-1.5": (1.5, [], {"rate_scale": 1.5}),
             "seqs": (1.0, ["--max-num-seqs", "4"], {"max_num_seqs": 4}),
             "budget": (1.0, ["--max-num-batched-tokens", "64"], {"max_num_batched_tokens": 64}),
-            **{f"rate-{s}": (s, [], {"rate_scale": s}) for s in scales if s not in (0.5, 1.0, 1.5)},
+            **{rate_run(s, 1): (s, [], {"rate_scale": s}) for s in scales if s not in (0.5, 1.0, 1.5)},
             **{name: (s, [], {"rate_scale": s}) for name, s in later_passes(scales, args.passes)},
             "base-b": (1.0, [], {}),
         }

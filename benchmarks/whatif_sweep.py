@@ -68,12 +68,13 @@ class MeasuredSweep:
         """The verdicts of every run of ``by_scale`` in ``store``."""
         return cls({s: {n: verdicts(store, n, targets) for n in runs} for s, runs in by_scale.items()})
 
+    def pooled_flags(self) -> list[np.ndarray]:
+        """Per scale (in :attr:`scales` order), the verdicts of all its runs' requests."""
+        return [np.concatenate(list(self.met[s].values())) for s in self.scales]
+
     def pooled(self) -> dict[float, float]:
         """Per scale, the share of its runs' requests within target, pooled."""
-        return {s: float(np.concatenate(list(self.met[s].values())).mean()) for s in self.scales}
-
-    def pooled_flags(self) -> list[np.ndarray]:
-        return [np.concatenate(list(self.met[s].values())) for s in self.scales]
+        return {s: float(flags.mean()) for s, flags in zip(self.scales, self.pooled_flags())}
 
     def one_pass(self, k: int) -> dict[float, float] | None:
         """The curve of the k-th pass alone (0: each scale's first run; 1x: the k-th base run); None when a
