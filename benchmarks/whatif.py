@@ -12,7 +12,9 @@ in this session, in this order:
 * ``seqs``: ``--max-num-seqs`` 4; ``budget``: ``--max-num-batched-tokens`` 64;
 * ``rate-0.75``, ``rate-2.0``, ``rate-2.5``, ``rate-3.0``: with 0.5, 1 and 1.5, the measured SLO sweep's first
   pass (``--sweep`` sets its rate scales); then a second pass of every rate but 1x in the reverse order
-  (``p2-rate-3.0`` .. ``p2-rate-0.5``; ``--passes``), so that each rate is measured at two places in the session.
+  (``p2-rate-3.0`` .. ``p2-rate-0.5``; ``--passes``), so that each rate is measured at two places in the session;
+* ``p2-budget``, ``p2-seqs``: the other two changes again (with one pass, not run), so that each of the four
+  changes is run twice.
 
 The simulator is fitted to ``base-a`` only (``analyzers.whatif.fit_whatif``), and predicts each other
 configuration; each prediction is compared with its real run: error = ``|predicted - real| / real``, for
@@ -46,9 +48,11 @@ a share by 1.7 points); the predicted break of each replay alone (timeline phase
 on a finer grid of rate scales. The contention check: within base-a, its decode steps' measured / modelled
 time against the load the process carried then (streams in flight, tokens relayed per second, event-loop lag;
 ``analyzers.whatif.contention``), and across the base and rate runs, their slowdown against the offered rate, their
-place in the session and what base-a's own relation gives at their load. The rate changes 0.5x and 1.5x, run in
-both passes, are each the same configuration run twice: their own run-to-run noise and the prediction against
-the mean of their two runs are printed after the table (the tally stays the first runs against base-a/base-b).
+place in the session and what base-a's own relation gives at their load (``whatif_contention.py``). The four
+changes, each run twice (``whatif_reruns.py``): each one's own run-to-run noise; its second run taken as the
+prediction of its first, held to the simulator's bar (what a rerun of the configuration, the best prediction
+there is, scores on this machine, beside what the simulator scores); and the simulator against the mean of the
+two runs (the tally stays the first runs against base-a/base-b's noise).
 
 Last line: ``whatif_median_error=<median of every raw prediction's error over the six latency metrics>``
 (the drift-corrected median is the line before it).
@@ -57,8 +61,13 @@ Last line: ``whatif_median_error=<median of every raw prediction's error over th
 prints a second table: each change predicted from the base run just before it (raw and corrected by the
 change's drift against that base run), its bar from the noise between that base run and the next.
 
+``--device-delay SPEC`` passes the server a ``--delay`` spec (``decode_step=20ms,prefill_token=1ms``, with
+``--model tiny``): every engine step then sleeps a device's time that the host's speed does not change, and the
+model's own CPU time is a small part of each step, as an accelerator's steady step time would make it.
+
 Run: ``.venv/bin/python benchmarks/whatif.py [--requests 30] [--rate 2.0] [--model small] [--paired]``
-(about 7 minutes on 2 quiet CPU cores; about 8 with ``--paired``). ``--store DIR --reuse`` analyses runs already in DIR instead of running them.
+(about 8 minutes on 2 quiet CPU cores; about 9 with ``--paired``). ``--store DIR --reuse`` analyses the runs already
+in DIR instead of running them (a run not there is left out, and said so).
 """
 
 from __future__ import annotations
@@ -71,7 +80,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +87,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from whatif_contention import contention_check  # noqa: E402
+from whatif_reruns import CHANGES, RerunTally, later_changes, rel, second_run, spread  # noqa: E402
 from whatif_sweep import (  # noqa: E402
     DEFAULT_SCALES,
     MeasuredSweep,
@@ -93,7 +103,6 @@ from analyzers.latency import latency  # noqa: E402
 from analyzers.slo import SloTargets  # noqa: E402
 from analyzers.source import Source  # noqa: E402
 from analyzers.whatif import fit_whatif  # noqa: E402
-from analyzers.whatif.contention import load_relation, spearman, step_load, step_ratios, within_run_lines  # noqa: E402
 from analyzers.whatif.metrics import measured_metrics  # noqa: E402
 from analyzers.whatif.models import STEP_FORMS, StepTimeModel, nonnegative_lstsq, step_features  # noqa: E402
 from analyzers.whatif.predict import crossing  # noqa: E402
@@ -119,7 +128,8 @@ def one_run(store: Path, run_id: str, args: argparse.Namespace, *, rate: float, 
     spec = ServerSpec(store=store, run_id=run_id, tenants_file=store / "none.toml")
     env_threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     server = TracedServer(spec, log_path=store / f"{run_id}.log",
-                          command=server_command(store, run_id, args.model, extra))
+                          command=server_command(store, run_id, args.model,
+                                                 [*extra, *(["--delay", args.device_delay] if args.device_delay else [])]))
     try:
         url = server.start(timeout_s=180)
         bench = [sys.executable, "-m", "tokentrace.app.cli", "bench", "--url", url, "--store", str(store), "--run", run_id,
@@ -252,6 +262,11 @@ class Tally:
                 f"median error raw {median(self.raw):.3f}, drift-corrected {median(self.corrected):.3f}")
 
 
+def bar_of(noise: float) -> float:
+    """A prediction's bar from the run-to-run noise of its metric: max(15%, 1.5x noise) (15% where not measured)."""
+    return max(BAR_FLOOR, NOISE_FACTOR * noise) if math.isfinite(noise) else BAR_FLOOR
+
+
 def median(values: list[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
     return float(np.median(finite)) if finite else math.nan
@@ -267,7 +282,7 @@ def compare(model, name: str, settings: dict, real: dict[str, float], drift: flo
                  if math.isfinite(drift) else {m: math.nan for m in METRICS})
     for m in METRICS:
         err, cerr = rel(pred[m], real[m]), rel(corrected[m], real[m])
-        bar = max(BAR_FLOOR, NOISE_FACTOR * noise[m]) if math.isfinite(noise[m]) else BAR_FLOOR
+        bar = bar_of(noise[m])
         ok, cok = tally.add(err, cerr, bar, counted)
         span = prediction.ranges.get(m)
         inside = "" if span is None else (f"  {span[0]:.1f}-{span[1]:.1f} (real "
@@ -295,7 +310,7 @@ def paired(store: Path, configs: dict, real: dict[str, dict[str, float]], target
           "that base run's; noise: that base run against the next (their drift in brackets)")
     print(HEADER)
     for i, name in enumerate(order):
-        if name.startswith("base-") or name not in ("rate-0.5", "rate-1.5", "seqs", "budget"):
+        if name.startswith("base-") or name not in CHANGES:
             continue
         before = order[max(b for b in bases if b < i)]
         after = order[min(b for b in bases if b > i)]
@@ -304,8 +319,7 @@ def paired(store: Path, configs: dict, real: dict[str, dict[str, float]], target
             model = fit_whatif(src, targets=targets)
         finally:
             src.close()
-        noise = {m: abs(real[before][m] - real[after][m]) / np.mean([real[before][m], real[after][m]])
-                 for m in METRICS}
+        noise = {m: spread(real[before][m], real[after][m]) for m in METRICS}
         print(f"  ({before} -> {after}: drift {slowdown(like[after], like[before]):.2f}; fitted step form "
               f"{model.models.all_steps.form})")
         compare(model, name, configs[name][2], real[name], slowdown(like[name], like[before]), noise, tally, True,
@@ -314,63 +328,14 @@ def paired(store: Path, configs: dict, real: dict[str, dict[str, float]], target
     return tally
 
 
-def contention_check(store: Path, configs: dict, steps: dict[str, StepRows], model: StepTimeModel,
-                     slow: dict[str, float]) -> None:
-    """Is the machine's change of speed the load's own contention? Within base-a, and across the base and rate runs:
-    each run's slowdown (``slow``) against its offered rate, place in the session, loop lag and base-a's relation."""
-    loads = {}
-    for n in configs:
-        with closing(Source.of_run(open_run(store, n))) as src:
-            loads[n] = step_load(src, steps[n])
-    dec = {n: steps[n].num_prefill_tokens == 0 for n in configs}
-    print("contention check, within base-a (its decode steps' measured / modelled time against the load then: rank "
-          "correlation; median ratio per quartile of the load):")
-    for line in within_run_lines(loads["base-a"], steps["base-a"], model):
-        print("  " + line)
-    slope = load_relation(step_ratios(model, steps["base-a"])[dec["base-a"]],
-                          loads["base-a"].relayed_per_s[dec["base-a"]]).slope
-    base_load = float(np.median(loads["base-a"].relayed_per_s[dec["base-a"]]))
-    runs = [n for n in configs if n.startswith("base-") or n.startswith("rate-")]
-    scale = {n: float(n[len("rate-"):]) if n.startswith("rate-") else 1.0 for n in runs}
-    lag = {n: float(np.median(loads[n].loop_lag_share[dec[n]])) for n in runs}
-    print("  across runs (session order): slowdown measured / given by base-a's relation at the run's median relayed "
-          "tokens per s; loop-lag share: " + ", ".join(
-              f"{n} {slow[n]:.2f}/{math.exp(slope * (np.median(loads[n].relayed_per_s[dec[n]]) - base_load)):.2f} "
-              f"{lag[n]:.2f}" for n in runs))
-    order = {n: i for i, n in enumerate(configs)}
-    x = [slow[n] for n in runs]
-    print(f"  slowdown's rank correlation over these {len(runs)} runs: with the offered rate "
-          f"{spearman(x, [scale[n] for n in runs]):+.2f}, with the place in the session "
-          f"{spearman(x, [order[n] for n in runs]):+.2f}, with the loop-lag share {spearman(x, [lag[n] for n in runs]):+.2f}; "
-          f"runs of the base configuration (the same load): {min(slow[n] for n in runs if scale[n] == 1.0):.2f}-"
-          f"{max(slow[n] for n in runs if scale[n] == 1.0):.2f}")
-
-
-def repeated_rates(model, configs: dict, real: dict[str, dict[str, float]], noise: dict[str, float]) -> None:
-    """The rate changes run twice (the sweep's passes 1 and 2): each is the same configuration run twice, so its
-    own run-to-run noise, and the prediction against the mean of its two runs, beside the bar from base-a/base-b."""
-    for scale in (0.5, 1.5):
-        name, again = rate_run(scale, 1), rate_run(scale, 2)
-        if again not in configs:
-            continue
-        pred = model.predict(configs[name][2], in_place=False, ranges=False).metrics
-        own = {m: abs(real[name][m] - real[again][m]) / np.mean([real[name][m], real[again][m]]) for m in METRICS}
-        errs = {m: rel(pred[m], float(np.mean([real[name][m], real[again][m]]))) for m in METRICS}
-        within = sum(errs[m] <= max(BAR_FLOOR, NOISE_FACTOR * max(own[m], noise[m])) for m in METRICS)
-        print(f"{name} run twice ({name}, {again}): own noise " + "  ".join(f"{m} {100 * own[m]:.0f}%" for m in METRICS)
-              + "; predicted against their mean " + "  ".join(f"{m} {100 * errs[m]:.0f}%" for m in METRICS)
-              + f"; {within}/{len(METRICS)} within max(15%, 1.5x the larger noise)")
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b) if math.isfinite(a) and math.isfinite(b) and b else math.nan
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--rate", type=float, default=2.0, help="base request rate, req/s")
     parser.add_argument("--model", default="small")
+    parser.add_argument("--device-delay", default="",
+                        help="the server's --delay spec for a device of steady speed, e.g. "
+                             "decode_step=20ms,prefill_token=1ms (sleeps the host's speed does not change)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--slo", default="auto",
                         help="auto or p99 (base-a's TTFT and TPOT p99), p90 (their p90), or ttft=2000ms,tpot=200ms")
@@ -386,7 +351,8 @@ def main() -> None:
     args = parser.parse_args()
     scales = tuple(sorted({float(v) for v in args.sweep.split(",")} | {0.5, 1.0, 1.5}))
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}; "
-          f"model {args.model}, {args.requests} requests per run, base rate {args.rate} req/s, slo {args.slo}")
+          f"model {args.model}, {args.requests} requests per run, base rate {args.rate} req/s, slo {args.slo}"
+          + (f", device delay {args.device_delay}" if args.device_delay else ""))
     with tempfile.TemporaryDirectory(prefix="whatif-bench-") as tmp:
         store = Path(args.store) if args.store else Path(tmp)
         store.mkdir(parents=True, exist_ok=True)
@@ -399,17 +365,22 @@ def main() -> None:
             "budget": (1.0, ["--max-num-batched-tokens", "64"], {"max_num_batched_tokens": 64}),
             **{rate_run(s, 1): (s, [], {"rate_scale": s}) for s in scales if s not in (0.5, 1.0, 1.5)},
             **{name: (s, [], {"rate_scale": s}) for name, s in later_passes(scales, args.passes)},
+            **{name: None for name in later_changes(args.passes)},
             "base-b": (1.0, [], {}),
         }
+        configs = {name: c if c is not None else configs[name[len("p2-"):]] for name, c in configs.items()}
         if args.paired:  # base-1 .. base-4 after the first four changes: base-a, rate-0.5, base-1, rate-1.5, ...
             order = list(configs)
-            for k, after in enumerate(("rate-0.5", "rate-1.5", "seqs", "budget"), start=1):
+            for k, after in enumerate(CHANGES, start=1):
                 order.insert(order.index(after) + 1, f"base-{k}")
             configs = {name: configs.get(name, configs["base-a"]) for name in order}
+        if args.reuse:
+            absent = [name for name in configs if not (store / name).is_dir()]
+            if absent:
+                print(f"not in {store}, left out: {', '.join(absent)}")
+            configs = {name: c for name, c in configs.items() if name not in absent}
         t0 = time.monotonic()
-        for name, (scale, flags, _) in configs.items():
-            if args.reuse and (store / name).is_dir():
-                continue
+        for name, (scale, flags, _) in configs.items() if not args.reuse else ():
             load = os.getloadavg()[0]
             one_run(store, name, args, rate=args.rate * scale, extra=flags)
             print(f"ran {name} ({time.monotonic() - t0:.0f} s; load average {load:.1f} before it)", flush=True)
@@ -419,8 +390,7 @@ def main() -> None:
         real = {name: measured(store, name, targets) for name in configs}
         src = Source.of_run(open_run(store, "base-a"))
         model = fit_whatif(src, targets=targets)
-        noise = {m: abs(real["base-a"][m] - real["base-b"][m]) / np.mean([real["base-a"][m], real["base-b"][m]])
-                 for m in METRICS}
+        noise = {m: spread(real["base-a"][m], real["base-b"][m]) for m in METRICS}
         print("fit on base-a (replay of base-a against base-a):")
         print("  " + "  ".join(f"{m} {100 * rel(model.fitted[m], model.measured[m]):.0f}%" for m in METRICS))
         print("run-to-run noise (base-a vs base-b):")
@@ -452,8 +422,14 @@ def main() -> None:
             if name == "base-a" or name[len("base-"):].isdigit():
                 continue
             compare(model, name, settings, real[name], speed[name], noise, tally,
-                    name in ("rate-0.5", "rate-1.5", "seqs", "budget"), "base-a")
-        repeated_rates(model, configs, real, noise)
+                    name in CHANGES, "base-a")
+        reruns = RerunTally(METRICS, bar_of)
+        for name in CHANGES:
+            if second_run(name) in configs:
+                reruns.add(name, model.predict(configs[name][2], in_place=False, ranges=False).metrics, real[name],
+                           real[second_run(name)], noise)
+        for line in reruns.lines():
+            print(line)
         runs_of = runs_by_scale(scales, list(configs))
         sweep_runs = MeasuredSweep.read(store, runs_of, targets)
         measured_sweep = sweep_runs.pooled()

@@ -90,16 +90,19 @@ class MeasuredSweep:
 
 def breaks_line(sweep: MeasuredSweep, target: float) -> str:
     """The measured break of each pass alone, beside which the pooled one is read."""
-    parts = []
+    parts, breaks = [], []
     for k in range(sweep.passes()):
         curve = sweep.one_pass(k)
         if curve is None:
             continue
         v = crossing(list(curve), list(curve.values()), target)
+        breaks.append(v)
         parts.append(f"pass {k + 1} {'none in range' if v is None else f'{v:.2f}'} ("
                      + " ".join(f"{100 * c:.0f}" for c in curve.values()) + ")")
-    return "measured break of each pass alone (its 1x point: the k-th base run; shares in %): " \
-        + ", ".join(parts)
+    line = "measured break of each pass alone (its 1x point: the k-th base run; shares in %): " + ", ".join(parts)
+    if len(breaks) >= 2 and None not in breaks[:2]:  # a second pass as the prediction of the first: a rerun's error
+        line += f"; pass 2 against pass 1 {100 * abs(breaks[1] - breaks[0]) / breaks[0]:.0f}% (bar 15%)"
+    return line
 
 
 def break_noise(measured_sweep: MeasuredSweep, model, targets: dict[str, SloTargets], target: float) -> None:

@@ -50,3 +50,4 @@ def test_the_pooled_curve_is_the_share_of_all_a_rates_requests_and_each_pass_has
     # pass 2 is below 90% from 1x on: between 0.5 (100%) and 1x (80%), halfway.
     line = breaks_line(sweep, 0.9)
     assert "pass 1 1.50 (100 100 90 30)" in line and "pass 2 0.75 (100 80 50 3)" in line
+    assert line.endswith("pass 2 against pass 1 50% (bar 15%)")  # a second pass read as the first's prediction
