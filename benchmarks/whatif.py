@@ -273,9 +273,9 @@ def median(values: list[float]) -> float:
 
 
 def compare(model, name: str, settings: dict, real: dict[str, float], drift: float, noise: dict[str, float],
-            tally: Tally, counted: bool, fitted_on: str) -> None:
+            tally: Tally, counted: bool, fitted_on: str) -> dict[str, float]:
     """One change: the raw prediction and the one on a device ``drift`` times as slow (the machine's measured
-    change of speed), each against the real run, beside the bar from ``noise``."""
+    change of speed), each against the real run, beside the bar from ``noise``; the raw prediction's metrics."""
     prediction = model.predict(settings, in_place=False)  # another run: its slow periods at other moments
     pred = prediction.metrics
     corrected = (model.predict({**settings, "step_time_scale": drift}, ranges=False).metrics
@@ -292,6 +292,7 @@ def compare(model, name: str, settings: dict, real: dict[str, float], drift: flo
               f"{'yes' if cok else 'no'}{inside}")
     for note in prediction.notes:
         print(f"  note ({name}): {note}")
+    return pred
 
 
 HEADER = (f"{'config':<10} {'fitted on':<9} {'metric':<9} {'predicted':>10} {'real':>10} {'error':>7} {'drift':>6} "
@@ -357,18 +358,20 @@ def main() -> None:
         store = Path(args.store) if args.store else Path(tmp)
         store.mkdir(parents=True, exist_ok=True)
         (store / "none.toml").write_text("")
-        configs = {  # name: (rate scale, server flags, prediction settings)
-            "base-a": (1.0, [], {}),
+        changes = {  # name: (rate scale, server flags, prediction settings), in CHANGES order
             "rate-0.5": (0.5, [], {"rate_scale": 0.5}),
             "rate-1.5": (1.5, [], {"rate_scale": 1.5}),
             "seqs": (1.0, ["--max-num-seqs", "4"], {"max_num_seqs": 4}),
             "budget": (1.0, ["--max-num-batched-tokens", "64"], {"max_num_batched_tokens": 64}),
+        }
+        configs = {
+            "base-a": (1.0, [], {}),
+            **changes,
             **{rate_run(s, 1): (s, [], {"rate_scale": s}) for s in scales if s not in (0.5, 1.0, 1.5)},
             **{name: (s, [], {"rate_scale": s}) for name, s in later_passes(scales, args.passes)},
-            **{name: None for name in later_changes(args.passes)},
+            **{name: changes[name.removeprefix("p2-")] for name in later_changes(args.passes)},
             "base-b": (1.0, [], {}),
         }
-        configs = {name: c if c is not None else configs[name[len("p2-"):]] for name, c in configs.items()}
         if args.paired:  # base-1 .. base-4 after the first four changes: base-a, rate-0.5, base-1, rate-1.5, ...
             order = list(configs)
             for k, after in enumerate(CHANGES, start=1):
@@ -380,10 +383,11 @@ def main() -> None:
                 print(f"not in {store}, left out: {', '.join(absent)}")
             configs = {name: c for name, c in configs.items() if name not in absent}
         t0 = time.monotonic()
-        for name, (scale, flags, _) in configs.items() if not args.reuse else ():
-            load = os.getloadavg()[0]
-            one_run(store, name, args, rate=args.rate * scale, extra=flags)
-            print(f"ran {name} ({time.monotonic() - t0:.0f} s; load average {load:.1f} before it)", flush=True)
+        if not args.reuse:
+            for name, (scale, flags, _) in configs.items():
+                load = os.getloadavg()[0]
+                one_run(store, name, args, rate=args.rate * scale, extra=flags)
+                print(f"ran {name} ({time.monotonic() - t0:.0f} s; load average {load:.1f} before it)", flush=True)
         targets = slo_targets(store, args.slo)
         t = targets["*"]
         print(f"SLO targets: TTFT {t.ttft_ms:.0f} ms, TPOT {t.tpot_ms:.0f} ms ({args.slo})")
@@ -415,19 +419,19 @@ def main() -> None:
             if r:
                 print(f"  {name} ({k} steps): " + ", ".join(f"{f} {v:.2f}" for f, v in r.items()))
         tally = Tally()
+        predicted = {}
         print("each change predicted from base-a; drift: the run's like steps against base-a's (the machine's "
               "change of speed); corrected: predicted with step_time_scale=drift; noise: base-a against base-b")
         print(HEADER)
         for name, (_, _, settings) in configs.items():
             if name == "base-a" or name[len("base-"):].isdigit():
                 continue
-            compare(model, name, settings, real[name], speed[name], noise, tally,
-                    name in CHANGES, "base-a")
+            predicted[name] = compare(model, name, settings, real[name], speed[name], noise, tally,
+                                      name in CHANGES, "base-a")
         reruns = RerunTally(METRICS, bar_of)
         for name in CHANGES:
             if second_run(name) in configs:
-                reruns.add(name, model.predict(configs[name][2], in_place=False, ranges=False).metrics, real[name],
-                           real[second_run(name)], noise)
+                reruns.add(name, predicted[name], real[name], real[second_run(name)], noise)
         for line in reruns.lines():
             print(line)
         runs_of = runs_by_scale(scales, list(configs))

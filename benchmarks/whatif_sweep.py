@@ -13,6 +13,7 @@ from contextlib import closing
 from pathlib import Path
 
 import numpy as np
+from whatif_reruns import rel
 
 from analyzers.slo import SloTargets, request_slo
 from analyzers.source import Source
@@ -101,7 +102,7 @@ def breaks_line(sweep: MeasuredSweep, target: float) -> str:
                      + " ".join(f"{100 * c:.0f}" for c in curve.values()) + ")")
     line = "measured break of each pass alone (its 1x point: the k-th base run; shares in %): " + ", ".join(parts)
     if len(breaks) >= 2 and None not in breaks[:2]:  # a second pass as the prediction of the first: a rerun's error
-        line += f"; pass 2 against pass 1 {100 * abs(breaks[1] - breaks[0]) / breaks[0]:.0f}% (bar 15%)"
+        line += f"; pass 2 against pass 1 {100 * rel(breaks[1], breaks[0]):.0f}% (bar 15%)"
     return line
 
 

@@ -291,7 +291,5 @@ def _summary(causes: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
                      "ms": float(g["ms"].sum()), "share": float(g["ms"].sum()) / total if total > 0 else math.nan,
                      "stage": stage, "tenant": tenant, "fix": FIXES.get(str(cause), ""),
                      "evidence": f"{top[col.REQUEST_KEY]}: {top['evidence']}"})
-    out = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
-    out["_unknown"] = out["cause"] == UNKNOWN
-    return out.sort_values(["_unknown", "ms", "cause"], ascending=[True, False, True], kind="stable").drop(
-        columns="_unknown").reset_index(drop=True)
+    rows.sort(key=lambda r: (r["cause"] == UNKNOWN, -r["ms"], r["cause"]))  # as each request's causes are sorted
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
